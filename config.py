@@ -1,0 +1,156 @@
+"""Every knob of a training run: one dataclass with its defaults, and the CLI built from it.
+
+Each field's `help` becomes its `--flag`'s help text (`python train.py --help`); a field
+`foo_bar` is the flag `--foo-bar`. Booleans that default to True get a `--no-...` flag.
+`validate` checks the values that cannot work before any model is loaded, with a one-line
+error naming the flag.
+"""
+
+import argparse
+import time
+from dataclasses import dataclass, field, fields
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A flag value that cannot work; train.py prints it as one line and exits with status 2."""
+
+
+def arg(default, help: str, choices=None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class Config:
+    # --- model and task -------------------------------------------------------------------
+    model: str = arg("tiny", "'tiny' (the built-in offline policy of tiny.py), a hub id, or a local folder")
+    task: str = arg("arithmetic", "arithmetic (built-in, offline) or gsm8k", ["arithmetic", "gsm8k"])
+    data_files: str | None = arg(None, "local JSONL with 'question'/'answer' rows for --task gsm8k (instead of the hub)")
+    eval_files: str | None = arg(None, "local JSONL of held-out rows (default: the first --eval-size rows of --data-files)")
+    trust_remote_code: bool = arg(False, "allow a hub model's own Python code to run (off: only built-in architectures)")
+    # --- sampling (steps 1-2) -----------------------------------------------------------------
+    steps: int = arg(300, "training steps")
+    prompts_per_step: int = arg(16, "B, prompts per step")
+    group_size: int = arg(8, "G, completions sampled per prompt")
+    max_new_tokens: int | None = arg(None, "completion length limit (default: 8 for arithmetic, 512 for gsm8k)")
+    temperature: float = arg(1.0, "sampling temperature tau; log-probs are computed from logits / tau")
+    offpolicy_steps: int = arg(1, "v, the sampler is refreshed from the policy every v steps (1 = on-policy)")
+    # --- advantages (step 4) ----------------------------------------------------------------------
+    mask_zero_std: bool = arg(True, "drop groups whose rewards are all equal from the loss and its normaliser")
+    asymre_shift: float = arg(0.0, "AsymRE of [B]: baseline mean(r) - shift, advantages not divided by std")
+    red: str = arg("none", "data shaping of [B]: none, drop (RED-Drop), weight (RED-Weight)", ["none", "drop", "weight"])
+    red_tau: float = arg(1.0, "tau of RED-Weight, A <- A * exp(A / tau)")
+    # --- objective (step 6) -----------------------------------------------------------------
+    loss: str = arg("grpo", "grpo (clipped surrogate), rec, rec-is, opmd (the REINFORCE family of [B])",
+                    ["grpo", "rec", "rec-is", "opmd"])
+    clip_eps: float = arg(0.2, "eps_low, the lower clip width")
+    clip_eps_high: float | None = arg(None, "eps_high, the upper clip width (default: --clip-eps)")
+    clip_center: str = arg("current", "centre of the clip interval: current (rho' of [A]) or behaviour (1, PPO)",
+                           ["current", "behaviour"])
+    beta: float = arg(0.0, "KL coefficient; > 0 keeps a reference model pi_ref")
+    ref_refresh: int = arg(0, "copy the policy into pi_ref every this many steps (0 = never)")
+    agg: str = arg("token-mean", "loss aggregation: token-mean, seq-mean (GRPO), constant (Dr. GRPO)",
+                   ["token-mean", "seq-mean", "constant"])
+    tau_reg: float = arg(0.1, "OPMD's regulariser, (tau_reg / 2) * (logp - behaviour_logp)^2")
+    # --- optimisation ---------------------------------------------------------------------
+    lr: float = arg(5e-5, "AdamW learning rate")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "gradient-norm clipping")
+    inner_steps: int = arg(1, "optimizer steps on each batch ([A]'s i); > 1 reuses samples")
+    micro_batch: int | None = arg(None, "sequences per forward/backward chunk (default: the whole batch N)")
+    # --- built-in tiny policy -------------------------------------------------------------------
+    warmup_steps: int = arg(1500, "supervised warm-up steps of the tiny policy (cached)")
+    cache_dir: str = arg(".cache", "where the warmed-up tiny policy is cached")
+    # --- evaluation, logging, output ---------------------------------------------------------
+    eval_every: int = arg(50, "held-out greedy accuracy every this many steps (0 = start and end only)")
+    eval_size: int = arg(500, "held-out problems evaluated")
+    seed: int = arg(0, "seed of the data order, the sampler and everything else")
+    device: str = arg("auto", "auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
+    dtype: str = arg("auto", "auto (bfloat16 autocast on cuda, float32 on cpu), float32, bfloat16",
+                     ["auto", "float32", "bfloat16"])
+    out: str | None = arg(None, "output folder (default: runs/<timestamp>)")
+    progress: bool = arg(True, "show the tqdm progress bar")
+
+    @property
+    def autocast_dtype(self):
+        """The autocast dtype of forward passes, None for plain float32."""
+        return torch.bfloat16 if self.dtype == "bfloat16" else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="On- and off-policy GRPO (python train.py --offpolicy-steps 4)",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        help_, choices = f.metadata["help"], f.metadata["choices"]
+        if f.type in (bool, "bool"):
+            if f.default:
+                p.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=help_ + " (on by default)")
+            else:
+                p.add_argument(flag, dest=f.name, action="store_true", help=help_)
+            continue
+        kind = {int: int, float: float}.get(type(f.default), str)
+        if "int" in str(f.type):
+            kind = int
+        elif "float" in str(f.type):
+            kind = float
+        if choices:
+            help_ += f" {{{','.join(choices)}}}"  # checked by validate(), with a one-line error
+        p.add_argument(flag, dest=f.name, type=kind, default=f.default, help=help_)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    return resolve(Config(**vars(args)))
+
+
+def resolve(cfg: Config) -> Config:
+    """Fill in the defaults that depend on other fields or on the machine."""
+    if cfg.max_new_tokens is None:
+        cfg.max_new_tokens = 8 if cfg.task == "arithmetic" else 512
+    if cfg.device == "auto":
+        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.dtype == "auto":
+        cfg.dtype = "bfloat16" if cfg.device.startswith("cuda") else "float32"
+    if cfg.out is None:
+        cfg.out = time.strftime("runs/%Y%m%d-%H%M%S")
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Reject values that cannot work, naming the flag; runs before any model is loaded."""
+    checks = [
+        (cfg.steps >= 1, "--steps must be >= 1"),
+        (cfg.prompts_per_step >= 1, "--prompts-per-step must be >= 1"),
+        (cfg.group_size >= 2, "--group-size must be >= 2 (a group of one has no baseline)"),
+        (cfg.offpolicy_steps >= 1, "--offpolicy-steps must be >= 1"),
+        (cfg.inner_steps >= 1, "--inner-steps must be >= 1"),
+        (cfg.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
+        (cfg.temperature > 0, "--temperature must be > 0 (training samples; evaluation is greedy)"),
+        (cfg.lr >= 0, "--lr must be >= 0"),
+        (cfg.beta >= 0, "--beta must be >= 0"),
+        (cfg.clip_eps >= 0, "--clip-eps must be >= 0"),
+        (cfg.clip_eps_high is None or cfg.clip_eps_high >= 0, "--clip-eps-high must be >= 0"),
+        (cfg.max_grad_norm > 0, "--max-grad-norm must be > 0"),
+        (cfg.eval_size >= 1, "--eval-size must be >= 1"),
+        (cfg.eval_every >= 0, "--eval-every must be >= 0"),
+        (cfg.ref_refresh >= 0, "--ref-refresh must be >= 0"),
+        (cfg.tau_reg >= 0, "--tau-reg must be >= 0"),
+        (cfg.red_tau > 0, "--red-tau must be > 0"),
+        (cfg.warmup_steps >= 0, "--warmup-steps must be >= 0"),
+    ]
+    for f in fields(Config):
+        value, choices = getattr(cfg, f.name), f.metadata["choices"]
+        if choices and value not in choices:
+            raise ConfigError(f"--{f.name.replace('_', '-')}: unknown value {value!r}; choose from {', '.join(choices)}")
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
+    n = cfg.prompts_per_step * cfg.group_size
+    if cfg.micro_batch is not None and (cfg.micro_batch < 1 or n % cfg.micro_batch != 0):
+        raise ConfigError(f"--micro-batch {cfg.micro_batch} must divide the batch N = prompts-per-step * group-size = {n}")
+    if cfg.ref_refresh and cfg.beta == 0:
+        raise ConfigError("--ref-refresh needs --beta > 0 (without KL there is no reference model)")
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {cfg.device}: CUDA is not available on this machine")

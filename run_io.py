@@ -1,0 +1,106 @@
+"""What a run reads and writes: the policy it starts from, and its output folder.
+
+Output folder (--out):
+    config.json     the resolved Config
+    metrics.jsonl   one JSON object per step (README: "Metrics")
+    final/          the trained policy and tokenizer, `save_pretrained` format
+    summary.json    held-out accuracy before/after, steps, wall time
+Everything is written to a temporary name first and renamed into place, so a crash never
+leaves a half-written file that looks complete.
+"""
+
+import json
+import os
+import resource
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from config import Config, ConfigError
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` via a temporary file and a rename."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def atomic_save_pretrained(model, tokenizer, path: Path) -> None:
+    """save_pretrained into a temporary folder, then swap it into `path`."""
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if path.exists():
+        old = path.with_name(f".{path.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak accelerator memory allocated (cuda) or peak resident memory of the process (cpu)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # ru_maxrss is in KiB on Linux
+
+
+def load_policy(cfg: Config, log=print):
+    """The policy to train and its tokenizer: the built-in tiny one, or a transformers model.
+
+    A model that cannot be loaded (offline, wrong path, ...) is a ConfigError naming it.
+    """
+    if cfg.model == "tiny":
+        from tiny import load_tiny
+
+        if cfg.task != "arithmetic":
+            raise ConfigError("--model tiny only knows --task arithmetic; name a real model for gsm8k")
+        model, tok = load_tiny(cfg.cache_dir, cfg.warmup_steps, log=log)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code,
+                                                         dtype=torch.float32)
+        except Exception as e:  # transformers raises many types here; all mean "cannot load"
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"--model {cfg.model}: cannot be loaded ({first[:200]})") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token  # safe: padding is masked explicitly, never inferred from ids
+    if tok.eos_token_id is None:
+        raise ConfigError(f"--model {cfg.model}: tokenizer has no EOS token")
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"policy: {cfg.model} ({n_params / 1e6:.2f}M parameters) on {cfg.device}, {cfg.dtype}")
+    return model, tok
+
+
+class RunWriter:
+    """The run's output folder: config, per-step metrics, messages, final model, summary."""
+
+    def __init__(self, cfg: Config):
+        self.out = Path(cfg.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.out / "config.json", json.dumps(asdict(cfg), indent=2) + "\n")
+        self._metrics = open(self.out / "metrics.jsonl", "a")
+
+    def log(self, msg: str) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(msg)
+
+    def metrics(self, row: dict) -> None:
+        self._metrics.write(json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()}) + "\n")
+        self._metrics.flush()
+
+    def finish(self, model, tokenizer, summary: dict) -> None:
+        self._metrics.close()
+        atomic_save_pretrained(model, tokenizer, self.out / "final")
+        atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")

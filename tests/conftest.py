@@ -1,0 +1,48 @@
+"""Shared fixtures. Everything runs offline on the CPU."""
+
+import os
+import sys
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing in the tests may touch the network
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SHARED = ROOT.parent / "shared" / "data"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import tiny  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tok():
+    return tiny.build_tokenizer()
+
+
+@pytest.fixture
+def model(tok):
+    """A random-weight tiny Qwen2 (float64 would hide nothing here; float32 as in training)."""
+    return tiny.build_model(tok, seed=0).eval()
+
+
+@pytest.fixture(scope="session")
+def warm_cache(tmp_path_factory):
+    """A cache folder holding a briefly warmed-up tiny policy, built once per session."""
+    path = tmp_path_factory.mktemp("cache")
+    tiny.load_tiny(str(path), warmup_steps=TEST_WARMUP, log=lambda m: None)
+    return str(path)
+
+
+TEST_WARMUP = 400  # supervised steps for the end-to-end tests' tiny policy
+
+
+def shared_data(*parts) -> Path:
+    """A path under ../shared/data, or skip the test where the folder is absent."""
+    p = SHARED.joinpath(*parts)
+    if not p.exists():
+        pytest.skip(f"{p} not present")
+    return p

@@ -1,0 +1,197 @@
+"""advantage.py and objective.py against hand-computed cases and plain Python loops."""
+
+import math
+
+import pytest
+import torch
+
+from advantage import group_advantages, red_drop, red_weight
+from objective import aggregation_total, opmd_loss, policy_loss, rec_loss
+
+# --------------------------------------------------------------------------- advantages
+
+
+def test_group_advantages_hand_computed():
+    # Group 0: rewards 1,0,0,1 -> mu 0.5, population var 0.25, sigma 0.5 -> A = +-1 (up to eps).
+    # Group 1: all equal -> zero advantages, invalid.  Group 2: 1,0,0,0 -> mu .25, var .1875.
+    r = torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0])
+    adv, valid = group_advantages(r, 4, eps=0.0)
+    s2 = math.sqrt(0.1875)
+    expected = [1, -1, -1, 1, 0, 0, 0, 0, 0.75 / s2, -0.25 / s2, -0.25 / s2, -0.25 / s2]
+    assert torch.allclose(adv, torch.tensor(expected), atol=1e-6)
+    assert valid.tolist() == [True] * 4 + [False] * 4 + [True] * 4
+
+
+def test_group_advantages_eps_and_no_mask():
+    r = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    adv, valid = group_advantages(r, 2, eps=1e-2, mask_zero_std=False)
+    assert torch.allclose(adv[:2], torch.tensor([0.5, -0.5]) / math.sqrt(0.25 + 1e-2))
+    assert adv[2:].tolist() == [0.0, 0.0] and valid.all()  # all-equal group: kept, zero advantage
+
+
+def test_asymre_and_red():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    adv, _ = group_advantages(r, 4, scale_std=False, baseline_shift=0.1)
+    assert torch.allclose(adv, torch.tensor([1 - 0.15, -0.15, -0.15, -0.15]))  # baseline .25 - .1
+    keep = red_drop(r, 4, torch.Generator().manual_seed(0))
+    assert keep[0] and keep.sum() == 2  # one positive: keep it and exactly one negative
+    adv, valid = group_advantages(r, 4, eps=0.0, keep=keep)
+    assert torch.allclose(adv[keep], torch.tensor([1.0, -1.0])) and (adv[~keep] == 0).all() and (valid == keep).all()
+    a = torch.tensor([-1.0, 0.0, 2.0])
+    assert torch.allclose(red_weight(a, 2.0), a * torch.exp(a / 2.0))
+
+
+# --------------------------------------------------------------------------- policy_loss vs a loop
+
+
+def loop_policy_loss(logp, blogp, clogp, rlogp, adv, mask, eps_lo, eps_hi, center, beta, agg, max_new):
+    """The objective written token by token in plain Python floats (the spec of design.md)."""
+    n, t = len(logp), len(logp[0])
+    seq_terms, all_terms = [], []
+    for i in range(n):
+        terms = []
+        for j in range(t):
+            if not mask[i][j]:
+                continue
+            rho = math.exp(logp[i][j] - blogp[i][j])
+            rho_p = 1.0 if clogp is None else math.exp(clogp[i][j] - blogp[i][j])
+            lo, hi = (max(rho_p - eps_lo, 0.0), rho_p + eps_hi) if center == "current" else (1 - eps_lo, 1 + eps_hi)
+            s = min(rho * adv[i], min(max(rho, lo), hi) * adv[i])
+            if rlogp is not None:
+                d = rlogp[i][j] - logp[i][j]
+                s -= beta * (math.exp(d) - d - 1)
+            terms.append(s)
+        all_terms += terms
+        if terms:
+            seq_terms.append(sum(terms) / len(terms))
+    if agg == "token-mean":
+        return -sum(all_terms) / max(len(all_terms), 1)
+    if agg == "seq-mean":
+        return -sum(seq_terms) / max(len(seq_terms), 1)
+    return -sum(all_terms) / (n * max_new)
+
+
+def random_batch(seed, n=6, t=5, spread=0.4):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(n, t, generator=g, dtype=torch.float64) * 2
+    blogp = logp + (torch.rand(n, t, generator=g, dtype=torch.float64) - 0.5) * 2 * spread
+    clogp = logp + (torch.rand(n, t, generator=g, dtype=torch.float64) - 0.5) * 2 * spread
+    rlogp = logp + (torch.rand(n, t, generator=g, dtype=torch.float64) - 0.5)
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    mask = (torch.rand(n, t, generator=g) > 0.3).long()
+    mask[0] = 0  # one fully masked sequence (an invalid group's member)
+    return logp, blogp, clogp, rlogp, adv, mask
+
+
+@pytest.mark.parametrize("center", ["current", "behaviour"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "constant"])
+@pytest.mark.parametrize("use_current,beta", [(True, 0.0), (True, 0.1), (False, 0.05)])
+def test_policy_loss_matches_loop_value_and_gradient(center, agg, use_current, beta):
+    logp, blogp, clogp, rlogp, adv, mask = random_batch(seed=hash((center, agg, use_current)) % 1000)
+    clogp = clogp if use_current else None
+    rlogp = rlogp if beta > 0 else None
+    kw = dict(clip_eps=0.2, clip_eps_high=0.28, clip_center=center, beta=beta, agg=agg, max_new_tokens=7)
+    x = logp.clone().requires_grad_(True)
+    loss, stats = policy_loss(x, blogp, clogp, rlogp, adv, mask, **kw)
+    loss.backward()
+
+    L = lambda lp: loop_policy_loss(lp, blogp.tolist(), None if clogp is None else clogp.tolist(),
+                                    None if rlogp is None else rlogp.tolist(), adv.tolist(), mask.tolist(),
+                                    0.2, 0.28, center, beta, agg, 7)
+    assert loss.item() == pytest.approx(L(logp.tolist()), rel=1e-10, abs=1e-12)
+    # Gradient of the loop by central finite differences, token by token.
+    h = 1e-6
+    for i in range(logp.shape[0]):
+        for j in range(logp.shape[1]):
+            up, dn = logp.tolist(), logp.tolist()
+            up[i][j] += h
+            dn[i][j] -= h
+            fd = (L(up) - L(dn)) / (2 * h)
+            assert x.grad[i, j].item() == pytest.approx(fd, abs=1e-6), (i, j)
+    assert 0.0 <= stats["clip_low"] <= 1 and 0.0 <= stats["clip_high"] <= 1
+
+
+def test_clipped_tokens_get_zero_gradient_on_the_pushed_side():
+    # One token per case; behaviour centre [0.8, 1.2].
+    ratios = torch.tensor([1.5, 1.5, 0.5, 0.5, 1.0], dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0], dtype=torch.float64)
+    logp = torch.log(ratios).unsqueeze(1).requires_grad_(True)  # behaviour logp = 0
+    loss, stats = policy_loss(logp, torch.zeros(5, 1, dtype=torch.float64), None, None, adv, torch.ones(5, 1),
+                              clip_center="behaviour", agg="constant", max_new_tokens=1)
+    loss.backward()
+    g = logp.grad.squeeze(1)
+    assert g[0] == 0  # A > 0 and rho above 1+eps: more probability would not pay, no gradient
+    assert g[2] == 0  # A < 0 and rho below 1-eps: already pushed down enough, no gradient
+    assert g[1] != 0 and g[3] != 0 and g[4] != 0  # pulled back towards the interval / inside it
+    assert stats["clip_high"] == pytest.approx(0.2) and stats["clip_low"] == pytest.approx(0.2)
+
+
+def test_current_centre_follows_rho_prime():
+    # A stale sampler: rho' = 2 (pi_k twice as likely as alpha), so the current-centre interval is
+    # [1.8, 2.2]: rho = 2.0 (no update yet) keeps its gradient, rho = 2.3 is clipped for A > 0.
+    # Under the behaviour centre [0.8, 1.2] the token is clipped already at rho = rho' = 2.
+    blogp = torch.zeros(1, 1, dtype=torch.float64)
+    clogp = torch.full((1, 1), math.log(2.0), dtype=torch.float64)
+    for r, clipped_current in ((2.0, False), (2.3, True)):
+        x = torch.full((1, 1), math.log(r), dtype=torch.float64, requires_grad=True)
+        policy_loss(x, blogp, clogp, None, torch.ones(1, dtype=torch.float64), torch.ones(1, 1))[0].backward()
+        assert (x.grad.item() == 0) == clipped_current
+    x = torch.full((1, 1), math.log(2.0), dtype=torch.float64, requires_grad=True)
+    policy_loss(x, blogp, clogp, None, torch.ones(1, dtype=torch.float64), torch.ones(1, 1), clip_center="behaviour")[0].backward()
+    assert x.grad.item() == 0
+
+
+def test_micro_batch_totals_add_up():
+    logp, blogp, clogp, rlogp, adv, mask = random_batch(3, n=8)
+    for agg in ("token-mean", "seq-mean", "constant"):
+        whole, _ = policy_loss(logp, blogp, clogp, rlogp, adv, mask, beta=0.1, agg=agg, max_new_tokens=5)
+        total = aggregation_total(mask, agg, 5)
+        parts = sum(policy_loss(logp[s:s + 2], blogp[s:s + 2], clogp[s:s + 2], rlogp[s:s + 2], adv[s:s + 2],
+                                mask[s:s + 2], beta=0.1, agg=agg, max_new_tokens=5, total=total)[0] for s in range(0, 8, 2))
+        assert parts.item() == pytest.approx(whole.item(), rel=1e-12)
+
+
+# --------------------------------------------------------------------------- the losses of [B]
+
+
+@pytest.mark.parametrize("iw", [False, True])
+def test_rec_loss_matches_loop(iw):
+    logp, blogp, _, _, adv, mask = random_batch(7, spread=0.5)
+    x = logp.clone().requires_grad_(True)
+    loss, _ = rec_loss(x, blogp, adv, mask, clip_eps=0.2, clip_eps_high=0.3, importance_weight=iw)
+    loss.backward()
+    value, grad, count = 0.0, torch.zeros_like(logp), mask.sum().item()
+    for i in range(logp.shape[0]):
+        for j in range(logp.shape[1]):
+            if not mask[i, j]:
+                continue
+            rho = math.exp(logp[i, j].item() - blogp[i, j].item())
+            a = adv[i].item()
+            m = (a > 0 and rho <= 1.3) or (a < 0 and rho >= 0.8)
+            w = rho if iw else 1.0
+            value -= a * w * logp[i, j].item() * m / count
+            grad[i, j] = -a * w * m / count
+    assert loss.item() == pytest.approx(value, rel=1e-10)
+    assert torch.allclose(x.grad, grad, atol=1e-12)
+
+
+def test_opmd_loss_matches_loop():
+    logp, blogp, _, _, adv, mask = random_batch(11)
+    x = logp.clone().requires_grad_(True)
+    loss, _ = opmd_loss(x, blogp, adv, mask, tau_reg=0.3, agg="seq-mean")
+    loss.backward()
+    seqs, grad = [], torch.zeros_like(logp)
+    n_seq = sum(1 for i in range(len(mask)) if mask[i].sum() > 0)
+    for i in range(logp.shape[0]):
+        k = mask[i].sum().item()
+        if k == 0:
+            continue
+        terms = []
+        for j in range(logp.shape[1]):
+            if mask[i, j]:
+                d = logp[i, j].item() - blogp[i, j].item()
+                terms.append(-adv[i].item() * logp[i, j].item() + 0.15 * d * d)
+                grad[i, j] = (-adv[i].item() + 0.3 * d) / k / n_seq
+        seqs.append(sum(terms) / k)
+    assert loss.item() == pytest.approx(sum(seqs) / n_seq, rel=1e-10)
+    assert torch.allclose(x.grad, grad, atol=1e-12)

@@ -1,0 +1,173 @@
+"""train.py: the update's gradient identities, the sampler refresh schedule, end-to-end runs."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train
+from advantage import group_advantages
+from config import Config, resolve
+from rollout import generate, token_logprobs
+from tasks import Problem, encode_prompts
+from conftest import ROOT, TEST_WARMUP, shared_data
+
+
+class RecordingOptimizer:
+    """Stands in for AdamW: records the gradient at each step instead of moving the weights."""
+
+    def __init__(self, params):
+        self.params, self.grads = list(params), []
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+    def step(self):
+        self.grads.append(torch.cat([p.grad.flatten() for p in self.params]).clone())
+
+
+def make_batch(model, tok, seed=0, group=4, temperature=1.0):
+    probs = [Problem(q, "0") for q in ("1+2=", "33-4=", "5*6=", "70+8=")]
+    ids, mask = encode_prompts(tok, probs, "cpu")
+    ro = generate(model, ids, mask, group_size=group, max_new_tokens=5, temperature=temperature,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(seed))
+    rewards = torch.tensor([float(i % 3 == 0) for i in range(ro.completion_ids.shape[0])])  # mixed groups
+    rewards[:group] = 1.0  # one all-equal group: masked out
+    adv, valid = group_advantages(rewards, group)
+    return dict(input_ids=ro.input_ids, attention_mask=ro.attention_mask, completion_mask=ro.completion_mask,
+                loss_mask=ro.completion_mask * valid[:, None], advantages=adv)
+
+
+def cfg_for(**kw):
+    base = dict(max_grad_norm=1e9, temperature=1.0, group_size=4, prompts_per_step=4, out="/tmp/unused")
+    return resolve(Config(**{**base, **kw}))
+
+
+def test_on_policy_gradient_is_group_baseline_reinforce(model, tok):
+    # v = 1, one inner step: rho = 1 where the gradient is taken, so no clipping can act and
+    # grad = -(1/|tokens|) sum_i A_i sum_t grad log pi(y_t): REINFORCE with the group baseline.
+    batch = make_batch(model, tok)
+    opt = RecordingOptimizer(model.parameters())
+    train.update(cfg_for(clip_eps=0.0), model, opt, batch, behaviour_logp=None, ref_logp=None)  # eps 0: clip as tight as it gets
+    mask = batch["loss_mask"]
+    logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"], 1.0)
+    model.zero_grad()
+    (-(batch["advantages"][:, None] * logp * mask).sum() / mask.sum()).backward()
+    reinforce = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert reinforce.abs().max() > 0
+    assert torch.allclose(opt.grads[0], reinforce, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "constant"])
+def test_micro_batched_gradient_equals_whole_batch(model, tok, agg):
+    batch = make_batch(model, tok, seed=1)
+    with torch.no_grad():  # a stale step with KL: behaviour and reference log-probs differ from pi_k
+        noise = 0.3 * torch.randn(batch["completion_mask"].shape, generator=torch.Generator().manual_seed(0))
+        lp = token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"], 1.0)
+        behaviour, ref = lp + noise, lp - noise
+    grads = []
+    for mb in (None, 4, 2):
+        opt = RecordingOptimizer(model.parameters())
+        train.update(cfg_for(micro_batch=mb, agg=agg, beta=0.1), model, opt, batch, behaviour, ref)
+        grads.append(opt.grads[0])
+    assert grads[0].abs().max() > 0
+    assert torch.allclose(grads[1], grads[0], atol=1e-6, rtol=1e-4)
+    assert torch.allclose(grads[2], grads[0], atol=1e-6, rtol=1e-4)
+
+
+def test_pi_k_is_recorded_from_the_first_inner_epoch(model, tok):
+    batch = make_batch(model, tok, seed=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    expected = token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"], 1.0).detach()
+    st = train.update(cfg_for(inner_steps=3, micro_batch=4), model, opt, batch, None, None)
+    assert torch.allclose(st["_pi_k_logp"], expected, atol=1e-6)  # recorded before the weights moved
+    after = token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"], 1.0)
+    assert not torch.allclose(after, expected, atol=1e-3)  # and the weights did move
+
+
+@pytest.mark.parametrize("v", [1, 3])
+def test_sampler_refreshes_exactly_every_v_steps(warm_cache, tmp_path, monkeypatch, v):
+    seen = []  # (sampler weights, policy weights) at each training sample call
+    real_generate = train.generate
+    holder = {}
+
+    def spy(model, *a, **kw):
+        if kw["temperature"] > 0:  # training samples; evaluation is greedy
+            flat = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()]).clone()
+            seen.append((model is holder.get("policy"), flat(model), flat(holder["policy"])))
+        return real_generate(model, *a, **kw)
+
+    real_update = train.update
+
+    def update_spy(cfg, policy, *a, **kw):
+        holder["policy"] = policy
+        return real_update(cfg, policy, *a, **kw)
+
+    real_load = train.load_policy
+
+    def load_spy(*a, **kw):
+        m, t = real_load(*a, **kw)
+        holder["policy"] = m
+        return m, t
+
+    monkeypatch.setattr(train, "generate", spy)
+    monkeypatch.setattr(train, "update", update_spy)
+    monkeypatch.setattr(train, "load_policy", load_spy)
+    cfg = resolve(Config(steps=7, offpolicy_steps=v, prompts_per_step=4, group_size=4, lr=1e-3, eval_size=8, eval_every=0,
+                         warmup_steps=TEST_WARMUP, cache_dir=warm_cache, out=str(tmp_path), progress=False))
+    train.train(cfg)
+    assert len(seen) == 7
+    for k, (is_live, sampler_w, policy_w) in enumerate(seen):
+        if v == 1:
+            assert is_live  # no copy: the live model samples
+            continue
+        assert not is_live
+        if k % v == 0:
+            assert torch.equal(sampler_w, policy_w)  # refreshed: alpha == pi_theta
+        else:
+            assert torch.equal(sampler_w, seen[k - 1][1])  # frozen between refreshes
+            assert not torch.equal(sampler_w, policy_w)  # while the policy moved on
+    if v > 1:
+        assert not torch.equal(seen[v][1], seen[0][1])  # and the refresh did change it
+
+
+def run_cli(*args, timeout=600):
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+
+
+def test_end_to_end_builtin_task_accuracy_rises(warm_cache, tmp_path):
+    out = tmp_path / "run"
+    r = run_cli("--steps", "120", "--offpolicy-steps", "2", "--lr", "1e-4", "--warmup-steps", str(TEST_WARMUP),
+                "--cache-dir", warm_cache, "--eval-every", "0", "--eval-size", "300", "--out", str(out), "--no-progress")
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_accuracy_end"] >= summary["eval_accuracy_start"] + 0.05, summary
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 120 and {"reward", "kl", "clip_low", "rho_prime_max", "tokens_per_s"} <= rows[-1].keys()
+    assert max(r["rho_prime_max"] for r in rows[1::2]) > 1.0  # stale steps see rho' != 1
+
+
+def test_real_model_path_offline(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tok_dir, data = shared_data("qwen2-tokenizer"), shared_data("gsm8k", "train.jsonl")
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model_dir = tmp_path / "qwen2-random"
+    Qwen2ForCausalLM(cfg).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    out = tmp_path / "run"
+    r = run_cli("--model", str(model_dir), "--task", "gsm8k", "--data-files", str(data), "--steps", "2",
+                "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--eval-size", "4",
+                "--beta", "0.04", "--out", str(out), "--no-progress")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    assert "<|im_start|>user" in tok.decode(encode_prompts(tok, [Problem("q", "1")], "cpu")[0][0])  # chat template
+    reloaded = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert reloaded.config.num_hidden_layers == 2

@@ -1,0 +1,128 @@
+"""The built-in offline policy: a ~1M-parameter transformers model that knows some arithmetic.
+
+No weights can be downloaded here, so the default run builds its own policy:
+  1. a character-level tokenizer (the `tokenizers` library, wrapped as a transformers
+     `PreTrainedTokenizerFast`), 17 symbols: `<pad>`, `<eos>`, `<unk>`, digits and `+-*=`;
+  2. a small Qwen2 causal LM from a config (4 layers, hidden 128, ~1.0M parameters) with
+     random weights;
+  3. a supervised warm-up on the arithmetic training split (answer tokens and EOS only), which
+     takes it to roughly 25-40% held-out greedy accuracy: good enough that GRPO has groups with
+     mixed rewards to learn from, bad enough that there is much left to learn.
+The result is saved with `save_pretrained` under `--cache-dir`, keyed by what determines it,
+so later runs load it in a second. It is an ordinary transformers model: everything downstream
+(rollout, log-probs, training, `from_pretrained` of the final checkpoint) is the real path.
+"""
+
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from tasks import Problem, arithmetic_problems
+
+SPECIALS = ["<pad>", "<eos>", "<unk>"]
+CHARS = "0123456789+-*="
+VERSION = 1  # bump when the model, tokenizer or warm-up recipe changes: invalidates caches
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: every character is one token."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(CHARS))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per char
+    tok.decoder = decoders.Fuse()  # decode without spaces between characters
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", padding_side="left"
+    )
+
+
+def build_model(tokenizer, seed: int = 0) -> Qwen2ForCausalLM:
+    """A random-weight Qwen2 causal LM sized for the arithmetic task (~1.0M parameters)."""
+    cfg = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(cfg)
+
+
+def sft_batch(tokenizer, problems: list[Problem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded `question answer <eos>` sequences and labels that score only `answer <eos>`."""
+    seqs, labels = [], []
+    for p in problems:
+        q = tokenizer(p.question, add_special_tokens=False).input_ids
+        a = tokenizer(p.gold, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        seqs.append(q + a)
+        labels.append([-100] * len(q) + a)  # -100: ignored by the model's own loss
+    width = max(map(len, seqs))
+    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(s)) + s for s in seqs])  # (B, L)
+    lab = torch.tensor([[-100] * (width - len(s)) + s for s in labels])  # (B, L)
+    mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(s) for s in seqs])[:, None]).long()  # (B, L)
+    return ids, mask, lab
+
+
+def warm_up(model, tokenizer, steps: int, batch_size: int = 64, lr: float = 2e-3, seed: int = 0) -> list[float]:
+    """Supervised steps on the arithmetic training split; returns the loss of each step."""
+    train, _ = arithmetic_problems()
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))  # short linear warm-up
+    model.train()
+    losses = []
+    for _ in range(steps):
+        ids, mask, labels = sft_batch(tokenizer, rng.sample(train, batch_size))
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L) positions skip left padding
+        loss = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+def cache_path(cache_dir: str, warmup_steps: int) -> Path:
+    return Path(cache_dir) / f"tiny-v{VERSION}-warmup{warmup_steps}"
+
+
+def load_tiny(cache_dir: str, warmup_steps: int, log=print):
+    """The warmed-up tiny policy and its tokenizer, from the cache or built (then cached).
+
+    The cache entry is written to a temporary folder and renamed into place, so an interrupted
+    build never leaves a half-written model that a later run would load.
+    """
+    path = cache_path(cache_dir, warmup_steps)
+    if (path / "config.json").is_file():
+        log(f"tiny policy: loaded from cache {path}")
+        return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    log(f"tiny policy: building, {warmup_steps} supervised warm-up steps (cached at {path} afterwards)")
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer)
+    warm_up(model, tokenizer, warmup_steps)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, path)  # atomic on one filesystem
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (path / "config.json").is_file():  # a concurrent build may have won the rename
+            raise
+    return model, tokenizer
