@@ -19,14 +19,21 @@ Deviations from common practice:
      row chunks, keeps only each row's log-sum-exp, and recomputes the chunk in backward.
   2. The sampler is our own loop rather than `model.generate`, so that it takes a generator,
      returns the sampled tokens' log-probs and entropies, and treats EOS uniformly.
+  3. On CUDA, `generate` takes a fast path (the technique of pytorch-labs/gpt-fast): a static KV
+     cache written in place, and the one-token decode step captured once in a CUDA graph and
+     replayed, so a step costs no Python per layer. It samples by the exponential race (argmax
+     p_i / E_i, E_i ~ Exp(1): exact, and no cumulative sum over V as in multinomial). The plain
+     loop stays the CPU path and the reference; tests/test_fastpath.py checks that they agree.
 """
 
 import inspect
+import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
 
 @dataclass
@@ -60,6 +67,11 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def _last_logits_only(model) -> dict:
+    """Ask for the last position's logits only: the prefill would otherwise build (N, P, V) ones."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -73,6 +85,7 @@ def generate(
     pad_token_id: int,
     generator: torch.Generator | None = None,
     ignore_eos: bool = False,
+    fast: bool | None = None,
 ) -> Rollout:
     """Sample `group_size` completions for each of B left-padded prompts.
 
@@ -82,6 +95,7 @@ def generate(
         temperature: > 0 samples from softmax(logits / temperature); 0 decodes greedily.
         generator: the torch.Generator used for sampling (on the model's device).
         ignore_eos: keep sampling past EOS (benchmarks, so every row has the same length).
+        fast: the static-cache path (module docstring, 3); None picks it on CUDA where it applies.
 
     Returns:
         A Rollout with N = B * group_size rows, ordered group-major.
@@ -89,20 +103,24 @@ def generate(
     device = prompt_ids.device
     ids = prompt_ids.repeat_interleave(group_size, dim=0)  # (N, P)
     mask = prompt_mask.repeat_interleave(group_size, dim=0).long()  # (N, P)
+    rows = torch.arange(prompt_ids.shape[0], device=device).repeat_interleave(group_size)  # (N,) each row's prompt
+    plain = sampling_path(model, fast) == "plain"
+    dec = _DynamicDecoder() if plain else _static_decoder(model, ids.shape[0], ids.shape[1] + max_new_tokens, device)
+    # A group's G completions share its prompt: it runs once, and its cache is copied to the G rows.
+    last = dec.prefill(model, prompt_ids, prompt_mask.long(), rows)  # (N, V) next-token logits
     n = ids.shape[0]
     tokens, logps, ents = [], [], []
     alive = torch.ones(n, dtype=torch.bool, device=device)  # (N,) no EOS yet
     lengths = torch.zeros(n, dtype=torch.long, device=device)  # (N,) tokens kept so far
-    attn = mask
-    step_ids = ids
-    pos = position_ids_from_mask(mask)  # (N, P)
-    cache = {_cache_kwarg(model): DynamicCache()}  # filled in place by each forward
-    for _ in range(max_new_tokens):
-        out = model(input_ids=step_ids, attention_mask=attn, position_ids=pos, use_cache=True, **cache)
-        logits = out.logits[:, -1, :].float()  # (N, V) only the last position is needed
+    for t in range(max_new_tokens):
+        if t > 0:
+            last = dec.decode(model, tokens[-1])  # (N, V)
+        logits = last.float()  # (N, V) only the last position is needed
         if temperature > 0:
             logp_all = torch.log_softmax(logits / temperature, dim=-1)  # (N, V)
-            nxt = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(1)  # (N,)
+            probs = logp_all.exp()  # (N, V)
+            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1) if plain else \
+                sample_exponential_race(probs, generator)  # (N,)
         else:
             logp_all = torch.log_softmax(logits, dim=-1)  # (N, V)
             nxt = logits.argmax(dim=-1)  # (N,)
@@ -114,24 +132,170 @@ def generate(
         lengths += alive.long()
         if not ignore_eos:
             alive = alive & (nxt != eos_token_id)  # EOS itself was kept above
-            if not alive.any():
+            if (plain or t % 16 == 15) and not alive.any():  # the fast path syncs with the host less often
                 break
-        step_ids = nxt.unsqueeze(1)  # (N, 1)
-        attn = torch.cat([attn, torch.ones_like(step_ids)], dim=1)  # (N, P+t+1)
-        pos = pos[:, -1:] + 1  # (N, 1)
 
-    completion_ids = torch.stack(tokens, dim=1)  # (N, T)
-    t = completion_ids.shape[1]
+    t = int(lengths.max())  # the step at which the last row ended (the fast path may have gone on)
     completion_mask = (torch.arange(t, device=device).unsqueeze(0) < lengths.unsqueeze(1)).long()  # (N, T)
     return Rollout(
         prompt_ids=ids,
         prompt_mask=mask,
-        completion_ids=completion_ids,
+        completion_ids=torch.stack(tokens, dim=1)[:, :t],
         completion_mask=completion_mask,
-        sampler_logp=torch.stack(logps, dim=1),
-        entropy=torch.stack(ents, dim=1),
+        sampler_logp=torch.stack(logps, dim=1)[:, :t],
+        entropy=torch.stack(ents, dim=1)[:, :t],
         truncated=alive,
     )
+
+
+class _DynamicDecoder:
+    """The plain path and the reference: transformers' DynamicCache, one column longer each step."""
+
+    def prefill(self, model, ids: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Run the B prompts (B, P) once, then give each of the N rows its prompt's cache; logits (N, V)."""
+        pos = position_ids_from_mask(mask)  # (B, P)
+        self.cache = {_cache_kwarg(model): DynamicCache(), **_last_logits_only(model)}  # filled in place
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **self.cache)
+        self.cache[_cache_kwarg(model)].batch_select_indices(rows)  # (B, ...) -> (N, ...)
+        self.attn, self.pos = mask[rows], pos[rows, -1:]  # (N, P), (N, 1)
+        return out.logits[rows, -1, :]  # (N, V)
+
+    def decode(self, model, token: torch.Tensor) -> torch.Tensor:
+        """Feed the tokens (N,) just sampled; returns the next logits (N, V)."""
+        self.attn = torch.cat([self.attn, torch.ones_like(token[:, None])], dim=1)  # (N, P+t+1)
+        self.pos = self.pos + 1  # (N, 1)
+        out = model(input_ids=token[:, None], attention_mask=self.attn, position_ids=self.pos, use_cache=True, **self.cache)
+        return out.logits[:, -1, :]  # (N, V)
+
+
+# --- the fast path (CUDA): a static KV cache, the decode step replayed as a CUDA graph ------------
+
+
+def sampling_path(model, fast: bool | None = None) -> str:
+    """How `generate(model, ..., fast=fast)` samples: "plain", "static-cache" or "static-cache+cuda-graph"."""
+    cfg = getattr(model, "config", None)  # our masks are sdpa's (True = visible), for full-attention layers
+    ok = isinstance(model, PreTrainedModel) and cfg._attn_implementation == "sdpa" and \
+        set(getattr(cfg, "layer_types", None) or ["?"]) == {"full_attention"}
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    if fast is False or (fast is None and not (ok and on_cuda)):
+        return "plain"
+    if not ok:
+        raise ValueError("generate(fast=True) needs a transformers model with sdpa attention and full-attention layers")
+    return "static-cache+cuda-graph" if on_cuda and model not in _NO_GRAPH else "static-cache"
+
+
+def sample_exponential_race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Row-wise index i with probability p_i: argmax_i p_i / E_i, E_i ~ Exp(1) (Gumbel-max, as in gpt-fast).
+    E = -log U with U ~ U[0, 1) is never 0 (U = 0 gives E = inf: that token loses), so none wins by a zero divisor."""
+    u = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=probs.dtype)  # (N, V)
+    return (probs / -torch.log(u)).argmax(dim=-1)  # (N,)
+
+
+class _StaticDecoder:
+    """A static KV cache, (N, H_kv, L, D) per layer, that the attention layers update (the prefill
+    columns 0..P-1, a decode step the column in the device tensor `write`), and the decode step's
+    inputs, each a fixed tensor updated in place: on CUDA the step is captured once as a graph."""
+
+    def __init__(self, model, n: int, length: int, device):
+        self.n, self.length, self.keys, self.values, self.rows = n, length, {}, {}, None  # rows: set while prefilling
+        self.write = torch.zeros(1, dtype=torch.long, device=device)  # (1,) cache column of the next token
+        self.ids = torch.zeros(n, 1, dtype=torch.long, device=device)  # (N, 1) the token fed next
+        self.pos = torch.zeros(n, 1, dtype=torch.long, device=device)  # (N, 1) its position id
+        self.mask = torch.zeros(n, 1, 1, length, dtype=torch.bool, device=device)  # (N, 1, 1, L) visible columns
+        self.use_graph, self.graph, self.logits = device.type == "cuda" and model not in _NO_GRAPH, None, None
+        self.kw = {_cache_kwarg(model): self, **_last_logits_only(model)}
+        self.pass_position = "cache_position" in inspect.signature(model.forward).parameters  # transformers < 5.2x
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # (N, H_kv, t, D) in, L columns out
+        if layer_idx not in self.keys:  # allocated by the prefill, before any graph capture
+            shape = (self.n, key_states.shape[1], self.length, key_states.shape[3])
+            self.keys[layer_idx], self.values[layer_idx] = key_states.new_zeros(shape), value_states.new_zeros(shape)
+        k, v = self.keys[layer_idx], self.values[layer_idx]  # (N, H_kv, L, D)
+        if self.rows is None:  # a decode step: one column
+            k.index_copy_(2, self.write, key_states)
+            v.index_copy_(2, self.write, value_states)
+            return k, v
+        # The prefill of the B prompts: each row's cache gets its prompt's; the prompts attend to themselves.
+        k[:, :, : key_states.shape[2]], v[:, :, : key_states.shape[2]] = key_states[self.rows], value_states[self.rows]
+        return key_states, value_states
+
+    def _forward(self, model, ids=None, pos=None, mask=None, cache_position=None) -> torch.Tensor:
+        """One forward through the cache; without arguments, the decode step on the static inputs."""
+        if ids is None:
+            ids, pos, mask, cache_position = self.ids, self.pos, self.mask, self.write
+        extra = {"cache_position": cache_position} if self.pass_position else {}
+        out = model(input_ids=ids, attention_mask={"full_attention": mask}, position_ids=pos, use_cache=True,
+                    **self.kw, **extra)  # transformers uses a dict of masks as given
+        return out.logits[:, -1, :]  # (N, V)
+
+    def prefill(self, model, ids: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Run the B prompts (B, P) once into cache columns 0..P-1 of their rows (N,); returns logits (N, V)."""
+        p = ids.shape[1]
+        for buf in (*self.keys.values(), *self.values.values()):  # reused: nothing stale behind the mask
+            buf.zero_()
+        causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()  # (P, P)
+        # Padding queries see themselves: a query that sees nothing would give NaN keys/values.
+        visible = (causal & mask.bool()[:, None, :]) | torch.eye(p, dtype=torch.bool, device=ids.device)  # (B, P, P)
+        self.mask.zero_()
+        self.mask[:, 0, 0, :p] = visible[rows, -1]  # the last prompt row sees every real prompt column
+        pos = position_ids_from_mask(mask)  # (B, P)
+        self.pos.copy_(pos[rows, -1:])
+        self.write.fill_(p - 1)  # each decode step first moves it one column on
+        self.rows = rows
+        try:
+            return self._forward(model, ids, pos, visible[:, None], torch.arange(p, device=ids.device))[rows]
+        finally:
+            self.rows = None
+
+    def decode(self, model, token: torch.Tensor) -> torch.Tensor:
+        """Feed the tokens (N,) just sampled at the next column; returns the next logits (N, V)."""
+        self.ids.copy_(token[:, None])
+        self.pos.add_(1)
+        self.write.add_(1)
+        self.mask.index_fill_(3, self.write, True)  # the new column becomes visible
+        if self.use_graph and self.graph is None:
+            try:
+                self._capture(model)
+            except RuntimeError as e:  # an op the graph cannot hold: this model decodes eagerly from now on
+                warnings.warn(f"rollout: CUDA graph capture failed, decoding without it ({e})")
+                _NO_GRAPH.add(model)
+                self.use_graph = False
+        if not self.use_graph:
+            return self._forward(model)
+        self.graph.replay()  # recomputes self.logits from the static inputs
+        return self.logits
+
+    def _capture(self, model) -> None:
+        """Warm up on a side stream, then capture one decode step (torch.cuda.graph's recipe). No
+        autocast weight-cast cache: it would freeze the weights' bf16 copies into the graph."""
+        amp = torch.is_autocast_enabled("cuda")
+        with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), enabled=amp, cache_enabled=False):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # recomputes this very step: its cache write is idempotent
+                    self._forward(model)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.logits = self._forward(model)  # (N, V), in the graph's memory pool
+        self.graph = graph
+
+
+_DECODERS = weakref.WeakKeyDictionary()  # model -> {shape key: _StaticDecoder}, freed with the model
+_NO_GRAPH = weakref.WeakSet()  # models whose graph capture failed
+
+
+def _static_decoder(model, n: int, length: int, device) -> _StaticDecoder:
+    """The model's static decoder for N rows and >= `length` columns, kept: its graph is captured once."""
+    length = -(-length // 64) * 64  # rounded up: prompts of nearby lengths share one graph
+    key = (n, length, str(device), model in _NO_GRAPH, model.training, torch.is_autocast_enabled(device.type),
+           model.get_input_embeddings().weight.data_ptr())
+    decoders = _DECODERS.setdefault(model, {})
+    if key not in decoders and len(decoders) >= 2:  # at most two, e.g. the training and the evaluation batch
+        decoders.pop(next(iter(decoders)))
+    decoders[key] = decoders.get(key) or _StaticDecoder(model, n, length, device)
+    return decoders[key]
 
 
 class _SelectedLogProb(torch.autograd.Function):
@@ -190,6 +354,29 @@ def _has_plain_head(model) -> bool:
     return isinstance(head, torch.nn.Linear) and not odd and hasattr(model, "get_decoder")
 
 
+def _completion_states(decoder, input_ids, attention_mask, pos, t: int) -> torch.Tensor:
+    """The hidden states (N, T, H) that predict the T completion tokens.
+
+    Adjacent rows with the same prompt (a group's G completions) run it once: its KV cache is then
+    indexed per row, differentiably, and only the completions run per row. Same values and
+    gradients as the plain pass, with the prompt's share of the compute divided by G.
+    """
+    p = input_ids.shape[1] - t
+    same = ((input_ids[1:, :p] == input_ids[:-1, :p]) & (attention_mask[1:, :p] == attention_mask[:-1, :p])).all(1)
+    first = torch.cat([same.new_ones(1), ~same])  # (N,) the row starts a new prompt
+    if p == 0 or bool(first.all()):  # nothing shared: one pass; the state at position i predicts token i+1
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).last_hidden_state
+        return hidden[:, p - 1 : p - 1 + t]  # (N, T, H): completion token j sits at P+j
+    cache = {_cache_kwarg(decoder): DynamicCache()}
+    last = decoder(input_ids=input_ids[first, :p], attention_mask=attention_mask[first, :p], position_ids=pos[first, :p],
+                   use_cache=True, **cache).last_hidden_state[:, -1:]  # (U, 1, H) U distinct prompts
+    rows = first.long().cumsum(0) - 1  # (N,) each row's prompt
+    cache[_cache_kwarg(decoder)].batch_select_indices(rows)  # (U, ...) -> (N, ...)
+    rest = decoder(input_ids=input_ids[:, p:], attention_mask=attention_mask, position_ids=pos[:, p:], use_cache=True,
+                   **cache).last_hidden_state  # (N, T, H)
+    return torch.cat([last[rows], rest[:, :-1]], dim=1)  # (N, T, H)
+
+
 def token_logprobs(
     model,
     input_ids: torch.Tensor,
@@ -216,9 +403,7 @@ def token_logprobs(
     sel = completion_mask.bool()  # (N, T)
     targets = input_ids[:, length - t :][sel]  # (M,) the scored tokens
     if _has_plain_head(model):
-        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).last_hidden_state
-        # The hidden state at position i predicts token i+1: completion token j sits at P+j.
-        h = hidden[:, length - t - 1 : length - 1][sel]  # (M, H) only the scored rows
+        h = _completion_states(model.get_decoder(), input_ids, attention_mask, pos, t)[sel]  # (M, H) scored rows only
         head = model.get_output_embeddings()
         logp = _SelectedLogProb.apply(h, head.weight, head.bias, targets, tau, chunk)  # (M,)
     else:

@@ -52,6 +52,14 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # ru_maxrss is in KiB on Linux
 
 
+def current_memory_gb(device: torch.device) -> float:
+    """Memory in use now: allocated accelerator memory (cuda) or resident set size (cpu)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 1e9
+    with open("/proc/self/statm") as f:  # Linux: resident pages are the second field
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+
+
 def load_policy(cfg: Config, log=print):
     """The policy to train and its tokenizer: the built-in tiny one, or a transformers model.
 
@@ -99,6 +107,14 @@ class RunWriter:
     def metrics(self, row: dict) -> None:
         self._metrics.write(json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()}) + "\n")
         self._metrics.flush()
+
+    def truncate_metrics(self, step: int) -> None:
+        """On resume: keep only the rows of steps before `step`, so no step is logged twice."""
+        self._metrics.close()
+        path = self.out / "metrics.jsonl"
+        rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
+        atomic_write_text(path, "".join(r + "\n" for r in rows))
+        self._metrics = open(path, "a")
 
     def finish(self, model, tokenizer, summary: dict) -> None:
         self._metrics.close()

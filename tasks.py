@@ -126,3 +126,17 @@ def encode_prompts(tokenizer, problems: list[Problem], device) -> tuple[torch.Te
     batch = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
     tokenizer.padding_side = old_side
     return batch["input_ids"].to(device), batch["attention_mask"].to(device)
+
+
+def fit_context(tokenizer, problems: list[Problem], max_prompt_tokens: int, what: str) -> tuple[list[Problem], int]:
+    """Drop problems whose prompt exceeds `max_prompt_tokens`; (kept, number dropped).
+
+    An error if none is left: a run that cannot sample anything must not start.
+    """
+    texts = [format_prompt(tokenizer, p.question) for p in problems]
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    kept = [p for p, n in zip(problems, lengths) if n <= max_prompt_tokens]
+    if not kept:
+        raise TaskError(f"every {what} prompt is longer than the model's context allows ({max_prompt_tokens} tokens "
+                        f"once --max-new-tokens is reserved)")
+    return kept, len(problems) - len(kept)

@@ -39,8 +39,9 @@ from config import Config, ConfigError, build_parser, config_from_args, validate
 from objective import aggregation_total, opmd_loss, policy_loss, rec_loss
 from reward import math_reward
 from rollout import generate, token_logprobs
-from run_io import RunWriter, load_policy, peak_memory_gb
-from tasks import Problem, TaskError, encode_prompts, load_task
+from checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from run_io import RunWriter, current_memory_gb, load_policy, peak_memory_gb
+from tasks import Problem, TaskError, encode_prompts, fit_context, load_task
 
 
 class PromptStream:
@@ -154,9 +155,16 @@ def train(cfg: Config) -> dict:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.device)
+    train_set, heldout = load_task(cfg.task, cfg.data_files, cfg.eval_files, cfg.eval_size)  # bad rows fail fast
     writer = RunWriter(cfg)
     policy, tokenizer = load_policy(cfg, log=writer.log)
-    train_set, heldout = load_task(cfg.task, cfg.data_files, cfg.eval_files, cfg.eval_size)
+    context = getattr(policy.config, "max_position_embeddings", None)
+    if context:  # prompts that leave no room for max_new_tokens are skipped, with a count
+        train_set, dropped = fit_context(tokenizer, train_set, context - cfg.max_new_tokens, "training")
+        heldout, dropped_eval = fit_context(tokenizer, heldout, context - cfg.max_new_tokens, "held-out")
+        if dropped or dropped_eval:
+            writer.log(f"skipped {dropped} training and {dropped_eval} held-out prompts longer than the "
+                       f"model's context ({context}) minus --max-new-tokens ({cfg.max_new_tokens})")
     policy.to(device)
     v = cfg.offpolicy_steps
     sampler = copy.deepcopy(policy).requires_grad_(False).eval() if v > 1 else None  # alpha; None: the live model
@@ -165,11 +173,29 @@ def train(cfg: Config) -> dict:
     gen = torch.Generator(device=device).manual_seed(cfg.seed)  # the sampling generator
     stream = PromptStream(train_set, cfg.seed)
 
-    t0 = time.time()
-    acc_start = evaluate(policy, tokenizer, heldout, cfg.max_new_tokens, device)
+    start_step, nonfinite_streak, last, wall_before = 0, 0, {}, 0.0
+    if cfg.resume:  # continue from the newest complete checkpoint: every state the next step reads
+        path = latest_checkpoint(cfg.out)
+        if path is None:
+            raise ConfigError(f"--resume: no complete checkpoint in {checkpoint_dir(cfg.out)}")
+        ck = load_checkpoint(path)
+        policy.load_state_dict(ck["policy"])
+        if sampler is not None:
+            sampler.load_state_dict(ck["sampler"])
+        if ref is not None:
+            ref.load_state_dict(ck["ref"])
+        opt.load_state_dict(ck["optimizer"])
+        set_rng_state(ck["rng"], gen)
+        stream.position, start_step, acc_start = ck["data_position"], ck["step"], ck["eval_accuracy_start"]
+        wall_before = ck["wall_s"]
+        writer.truncate_metrics(start_step)
+        writer.log(f"resumed from {path} at step {start_step}")
+    t0 = time.time() - wall_before
+    if not cfg.resume:
+        acc_start = evaluate(policy, tokenizer, heldout, cfg.max_new_tokens, device)
     writer.log(f"held-out greedy accuracy before training: {acc_start:.3f} ({len(heldout)} problems)")
-    bar = tqdm(range(cfg.steps), desc="grpo", dynamic_ncols=True, disable=not cfg.progress)
-    nonfinite_streak, last = 0, {}
+    bar = tqdm(range(start_step, cfg.steps), desc="grpo", dynamic_ncols=True, disable=not cfg.progress,
+               initial=start_step, total=cfg.steps)
     for step in bar:
         t_step = time.time()
         refresh = step % v == 0
@@ -216,6 +242,7 @@ def train(cfg: Config) -> dict:
         wall = time.time() - t_step
         last = {
             "step": step,
+            "wall_s": time.time() - t0,
             "reward": rewards.mean().item(),
             "accuracy": (rewards == 1.0).float().mean().item(),
             "zero_std_frac": 1.0 - valid.float().view(-1, cfg.group_size)[:, 0].mean().item() if cfg.red != "drop" else 1.0 - valid.float().mean().item(),
@@ -227,6 +254,7 @@ def train(cfg: Config) -> dict:
             "t_sample": t_sample, "t_score": t_score, "t_logprob": t_logprob, "t_update": t_update,
             "tokens_per_s": n_tok / wall,
             "peak_mem_gb": peak_memory_gb(device),
+            "mem_gb": current_memory_gb(device),
         }
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
             last["eval_accuracy"] = evaluate(policy, tokenizer, heldout, cfg.max_new_tokens, device)
@@ -235,8 +263,17 @@ def train(cfg: Config) -> dict:
                         clip=f"{last.get('clip_low', 0) + last.get('clip_high', 0):.3f}",
                         rho=f"{last.get('rho_prime_max', 1):.2f}", tok_s=f"{last['tokens_per_s']:.0f}")
         nonfinite_streak = nonfinite_streak + 1 if st.get("nonfinite_updates") else 0
-        if nonfinite_streak >= 3:
+        if nonfinite_streak >= 3:  # the last checkpoint (written before the streak) stays intact
             raise ConfigError(f"step {step}: loss or gradient not finite 3 steps in a row; stopping (try a lower --lr)")
+        if cfg.save_every and (step + 1) % cfg.save_every == 0 and nonfinite_streak == 0:
+            state = {"policy": policy.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state(gen),
+                     "step": step + 1, "data_position": stream.position, "eval_accuracy_start": acc_start,
+                     "wall_s": time.time() - t0}
+            if sampler is not None:
+                state["sampler"] = sampler.state_dict()
+            if ref is not None:
+                state["ref"] = ref.state_dict()
+            save_checkpoint(cfg.out, state, step + 1, cfg.keep_checkpoints)
 
     acc_end = evaluate(policy, tokenizer, heldout, cfg.max_new_tokens, device)
     summary = {"eval_accuracy_start": acc_start, "eval_accuracy_end": acc_end, "steps": cfg.steps,

@@ -100,12 +100,6 @@ def test_sampler_refreshes_exactly_every_v_steps(warm_cache, tmp_path, monkeypat
             seen.append((model is holder.get("policy"), flat(model), flat(holder["policy"])))
         return real_generate(model, *a, **kw)
 
-    real_update = train.update
-
-    def update_spy(cfg, policy, *a, **kw):
-        holder["policy"] = policy
-        return real_update(cfg, policy, *a, **kw)
-
     real_load = train.load_policy
 
     def load_spy(*a, **kw):
@@ -114,7 +108,6 @@ def test_sampler_refreshes_exactly_every_v_steps(warm_cache, tmp_path, monkeypat
         return m, t
 
     monkeypatch.setattr(train, "generate", spy)
-    monkeypatch.setattr(train, "update", update_spy)
     monkeypatch.setattr(train, "load_policy", load_spy)
     cfg = resolve(Config(steps=7, offpolicy_steps=v, prompts_per_step=4, group_size=4, lr=1e-3, eval_size=8, eval_every=0,
                          warmup_steps=TEST_WARMUP, cache_dir=warm_cache, out=str(tmp_path), progress=False))

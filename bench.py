@@ -1,0 +1,348 @@
+"""Speed and memory of one GRPO step of this project's own loop, phase by phase.
+
+    python bench.py --model tiny --prompts 8 --group 8 --max-new-tokens 16 --beta 0.04 --vs-trl --device cpu
+    python bench.py --model qwen2.5-0.5b-random --prompts 64 --group 8 --prompt-len 128 \\
+        --max-new-tokens 256 --beta 0.04 --device cuda --dtype bfloat16
+
+The timed step is train.py's, made of the same functions in the same order:
+    refresh  alpha <- pi_theta (load_state_dict), at refresh steps when --offpolicy-steps > 1
+    sample   rollout.generate from alpha (the path it takes is printed: plain or static-cache+cuda-graph)
+    score    decode the completions to text, rewards, advantage.group_advantages
+    logprob  rollout.token_logprobs without grad: alpha on stale steps, pi_ref when --beta > 0
+    update   train.update: forward, backward and the AdamW step, micro-batched
+Each phase's median over --steps timed steps (after --warmup untimed ones) is printed, then, as the
+last line, one JSON object: step_s (median seconds per step), phases, tokens_per_s (completion
+tokens per second of a step), peak_mem_gb (CUDA: peak allocated; CPU: peak resident set).
+
+Where it departs from a training run, so that runs are comparable:
+  1. Every completion runs to --max-new-tokens (no early EOS), so each step does the same work.
+  2. Prompts are random token ids of length --prompt-len (words of the tokenizer, so that TRL gets
+     the same prompts as text), and rewards are random 0/1 from a seeded generator, so groups have
+     signal and the update runs; the verifier is not run (reward.py's cost is not the model's).
+  3. CUDA is synchronised at phase boundaries, so a phase's time is the GPU's, not the launch queue's.
+  4. `--model tiny` has random weights (no supervised warm-up: timing does not depend on them).
+
+`--vs-trl` then runs TRL's GRPOTrainer (optional: `pip install trl`) on the same model, in the same
+process, with what can be matched matched: per-device batch N = B*G, num_generations G,
+max_completion_length T and `min_new_tokens` T (so it too generates exactly T tokens), beta,
+temperature, learning rate, clip eps, grad-norm clipping, one optimizer step per generation
+(num_iterations 1), no gradient checkpointing (TRL's default is on), bf16 only with --dtype bfloat16
+(TRL's default is on), no eval, no saving, no logging service. What differs: TRL samples with
+`model.generate` (its sampler, its KV cache), its prompts are the same words re-tokenised, its loss is
+"dapo" (token-level, like our token-mean), its optimizer is transformers' default AdamW. A TRL step
+is the time between two `on_step_end` callbacks, so it includes everything TRL does in a step.
+"""
+
+import argparse
+import copy
+import gc
+import json
+import os
+import random
+import resource
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from advantage import group_advantages
+from config import Config, resolve, validate
+from rollout import generate, sampling_path, token_logprobs
+from train import update
+
+PRESETS = {  # random-weight models with a real model's shape
+    "qwen2.5-0.5b-random": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                                intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                                max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
+}
+QWEN_TOKENIZER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "qwen2-tokenizer")
+PHASES = ["refresh", "sample", "score", "logprob", "update"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Time one GRPO step of this project's loop, phase by phase",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # --- model and device ---------------------------------------------------------------------
+    p.add_argument("--model", default="tiny", help=f"tiny (random weights), {', '.join(PRESETS)}, a folder or a hub id")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="as train.py: bfloat16 = autocast of the update (float32 weights), auto = bfloat16 on cuda")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    # --- the step -----------------------------------------------------------------------------------
+    p.add_argument("--prompts", type=int, default=8, help="B, prompts per step")
+    p.add_argument("--group", type=int, default=8, help="G, completions per prompt")
+    p.add_argument("--prompt-len", type=int, default=32, help="P, tokens per prompt (random ids)")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="T, tokens per completion (every one runs to T)")
+    p.add_argument("--beta", type=float, default=0.0, help="KL coefficient; > 0 adds the reference model's pass")
+    p.add_argument("--offpolicy-steps", type=int, default=1, help="v, sampler refresh period (1 = on-policy)")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (default N)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--sampling", default="auto", choices=["auto", "plain", "fast"],
+                   help="generate's path: auto (fast on CUDA), plain (the reference loop), fast (static cache)")
+    p.add_argument("--autocast-sampling", action="store_true",
+                   help="also run sampling and the no-grad passes under the --dtype autocast (train.py does not)")
+    # --- timing -------------------------------------------------------------------------------------
+    p.add_argument("--steps", type=int, default=5, help="timed steps (the median is reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (allocator, kernels, graph capture)")
+    p.add_argument("--seed", type=int, default=0, help="seed of prompts, rewards and sampling")
+    p.add_argument("--vs-trl", action="store_true", help="also time TRL's GRPOTrainer on the same model and sizes")
+    return p
+
+
+def fake_tokenizer(vocab_size: int):
+    """A word-level tokenizer with one word per id ("w5"): enough for timing when no real one is at hand."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", padding_side="left")
+
+
+def load_model(name: str, device: torch.device, seed: int):
+    """(model, tokenizer, description) for --model; presets and tiny are built with random weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    if name == "tiny":
+        import tiny
+
+        tok = tiny.build_tokenizer()
+        return tiny.build_model(tok, seed=seed).to(device), tok, "tiny (random weights)"
+    if name in PRESETS:
+        if os.path.isdir(QWEN_TOKENIZER):
+            tok, tok_name = AutoTokenizer.from_pretrained(QWEN_TOKENIZER), "Qwen2 tokenizer"
+        else:
+            tok, tok_name = fake_tokenizer(PRESETS[name]["vocab_size"]), "word-level stand-in tokenizer"
+        cfg = Qwen2Config(**PRESETS[name], eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        with torch.device(device):  # initialise on the device: 0.5B parameters are slow to fill on a CPU
+            model = Qwen2ForCausalLM(cfg)
+        return model, tok, f"{name} (random weights, {tok_name})"
+    tok = AutoTokenizer.from_pretrained(name)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).to(device)
+    return model, tok, name
+
+
+def prompt_words(tok) -> list[int]:
+    """Ids that re-tokenise to themselves when decoded side by side: whole words of a BPE
+    vocabulary ("Ġcat"), or every non-special token of a character- or word-level one."""
+    special = set(tok.all_special_ids)
+    pieces = tok.convert_ids_to_tokens(list(range(len(tok))))
+    words = [i for i, s in enumerate(pieces) if s and s.startswith("Ġ") and s[1:].isascii() and s[1:].isalpha()
+             and len(s) > 3 and i not in special]
+    return words if len(words) > 100 else [i for i, s in enumerate(pieces) if s is not None and i not in special]
+
+
+def make_prompts(tok, words: list[int], n: int, length: int, rng: random.Random) -> tuple[torch.Tensor, list[str]]:
+    """n random prompts of `length` tokens: the ids (n, P) and the same prompts as text."""
+    ids = torch.tensor([[rng.choice(words) for _ in range(length)] for _ in range(n)])  # (n, P)
+    return ids, tok.batch_decode(ids)
+
+
+def now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # time the GPU's work, not the launch queue's
+    return time.perf_counter()
+
+
+def peak_mem_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
+
+
+def grpo_step(cfg: Config, args, k: int, policy, sampler, ref, opt, tok, prompts, gen, reward_gen) -> dict:
+    """One step of train.py's loop (its steps 1-6); returns each phase's seconds."""
+    device = torch.device(cfg.device)
+    fast = {"auto": None, "plain": False, "fast": True}[args.sampling]
+    amp = torch.autocast(device.type, dtype=cfg.autocast_dtype,
+                         enabled=args.autocast_sampling and cfg.autocast_dtype is not None)
+    t, times = now(device), {}
+    refresh = k % cfg.offpolicy_steps == 0
+    if sampler is not None and refresh:
+        sampler.load_state_dict(policy.state_dict())  # 1. alpha <- pi_theta
+    times["refresh"], t = now(device) - t, now(device)
+
+    prompt_ids = prompts.to(device)  # (B, P), no padding
+    policy.eval()
+    with amp:  # 2. sample from alpha
+        ro = generate(sampler or policy, prompt_ids, torch.ones_like(prompt_ids), group_size=cfg.group_size,
+                      max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, generator=gen, ignore_eos=True, fast=fast)
+    times["sample"], t = now(device) - t, now(device)
+
+    tok.batch_decode(ro.completion_ids, skip_special_tokens=True)  # 3. score: the text a verifier would read
+    rewards = torch.randint(0, 2, (ro.completion_ids.shape[0],), generator=reward_gen).float().to(device)  # (N,)
+    adv, valid = group_advantages(rewards, cfg.group_size)  # 4. advantages, (N,) each
+    loss_mask = ro.completion_mask * valid.unsqueeze(1)  # (N, T)
+    times["score"], t = now(device) - t, now(device)
+
+    with torch.no_grad(), amp:  # 5. log-probs: alpha on stale steps, pi_ref with KL
+        behaviour_logp = None if refresh else token_logprobs(sampler, ro.input_ids, ro.attention_mask,
+                                                             ro.completion_mask, cfg.temperature)
+        ref_logp = token_logprobs(ref, ro.input_ids, ro.attention_mask, ro.completion_mask,
+                                  cfg.temperature) if ref is not None else None
+    times["logprob"], t = now(device) - t, now(device)
+
+    if loss_mask.sum() > 0:  # 6. update (every group equal: train.py skips it too)
+        batch = dict(input_ids=ro.input_ids, attention_mask=ro.attention_mask, completion_mask=ro.completion_mask,
+                     loss_mask=loss_mask, advantages=adv)
+        update(cfg, policy, opt, batch, behaviour_logp, ref_logp)
+    times["update"] = now(device) - t
+    times["tokens"] = int(ro.completion_mask.sum())
+    return times
+
+
+def bench_ours(cfg: Config, args, model, tok, words) -> dict:
+    """Medians over --steps timed steps of our loop."""
+    device = torch.device(cfg.device)
+    policy = model
+    sampler = copy.deepcopy(policy).requires_grad_(False).eval() if cfg.offpolicy_steps > 1 else None
+    ref = copy.deepcopy(policy).requires_grad_(False).eval() if cfg.beta > 0 else None
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    reward_gen = torch.Generator().manual_seed(cfg.seed + 1)
+    rng = random.Random(cfg.seed)
+    rows = []
+    for k in range(args.warmup + args.steps):
+        if k == args.warmup and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        prompts, _ = make_prompts(tok, words, cfg.prompts_per_step, args.prompt_len, rng)
+        t = time.perf_counter()
+        times = grpo_step(cfg, args, k, policy, sampler, ref, opt, tok, prompts, gen, reward_gen)
+        times["step"] = now(device) - t
+        if k >= args.warmup:
+            rows.append(times)
+    med = lambda key: statistics.median(r[key] for r in rows)
+    step_s = med("step")
+    return {
+        "step_s": step_s,
+        "step_s_mean": statistics.fmean(r["step"] for r in rows),
+        "phases": {p: med(p) for p in PHASES},
+        "tokens_per_s": med("tokens") / step_s,
+        "peak_mem_gb": peak_mem_gb(device),
+        "sampling_path": sampling_path(sampler or policy, {"auto": None, "plain": False, "fast": True}[args.sampling]),
+    }
+
+
+def bench_trl(cfg: Config, args, model_path: str, tok, words) -> dict:
+    """Median seconds per step of TRL's GRPOTrainer on the same model and sizes (module docstring)."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    import trl
+    from trl import GRPOConfig, GRPOTrainer
+
+    device = torch.device(cfg.device)
+    n = cfg.prompts_per_step * cfg.group_size
+    mb = cfg.micro_batch or n
+    total = args.warmup + args.steps
+    _, texts = make_prompts(tok, words, cfg.prompts_per_step * total, args.prompt_len, random.Random(cfg.seed))
+    rng = random.Random(cfg.seed + 1)
+
+    def random_reward(completions, **kwargs):
+        return [float(rng.random() < 0.5) for _ in completions]
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.ends = []
+
+        def on_train_begin(self, *a, **kw):
+            self.ends.append(now(device))
+
+        def on_step_end(self, *a, **kw):
+            self.ends.append(now(device))
+
+    out = tempfile.mkdtemp(prefix="bench-trl-")
+    gcfg = GRPOConfig(
+        output_dir=out, per_device_train_batch_size=mb, gradient_accumulation_steps=n // mb,
+        num_generations=cfg.group_size, max_completion_length=cfg.max_new_tokens,
+        generation_kwargs={"min_new_tokens": cfg.max_new_tokens}, temperature=cfg.temperature,
+        beta=cfg.beta, epsilon=cfg.clip_eps, learning_rate=cfg.lr, max_grad_norm=cfg.max_grad_norm,
+        num_iterations=1, max_steps=total, gradient_checkpointing=False, bf16=cfg.dtype == "bfloat16",
+        use_cpu=device.type == "cpu", report_to="none", save_strategy="no", eval_strategy="no",
+        logging_steps=10**9, disable_tqdm=True, shuffle_dataset=False, seed=cfg.seed,
+        model_init_kwargs={"dtype": torch.float32},
+    )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    timer = StepTimer()
+    trainer = GRPOTrainer(model=model_path, reward_funcs=random_reward, args=gcfg,
+                          train_dataset=Dataset.from_dict({"prompt": texts}), processing_class=tok, callbacks=[timer])
+    trainer.train()
+    steps = [b - a for a, b in zip(timer.ends, timer.ends[1:])][args.warmup :]  # step k = end(k) - end(k-1)
+    lens = [len(x) for x in tok(texts[: cfg.prompts_per_step]).input_ids]
+    return {"step_s": statistics.median(steps), "steps": len(steps), "version": trl.__version__,
+            "prompt_len": statistics.fmean(lens), "peak_mem_gb": peak_mem_gb(device) if device.type == "cuda" else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = resolve(Config(model=args.model, prompts_per_step=args.prompts, group_size=args.group,
+                         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                         offpolicy_steps=args.offpolicy_steps, beta=args.beta, micro_batch=args.micro_batch,
+                         seed=args.seed, device=args.device, dtype=args.dtype, out=tempfile.gettempdir()))
+    validate(cfg)
+    if args.steps < 1 or args.warmup < 0 or args.prompt_len < 1:
+        raise SystemExit("error: --steps must be >= 1, --warmup >= 0, --prompt-len >= 1")
+    device = torch.device(cfg.device)
+    trl_ok = True
+    if args.vs_trl:
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            trl_ok = False
+            print("--vs-trl: TRL is not installed (pip install trl, or the project's [bench] extra); "
+                  "timing our loop only", flush=True)
+
+    model, tok, described = load_model(args.model, device, cfg.seed)
+    words = prompt_words(tok)
+    model_dir = None
+    if args.vs_trl and trl_ok:  # TRL loads the model by path: save the very weights we start from
+        model_dir = args.model if args.model not in PRESETS and args.model != "tiny" else tempfile.mkdtemp(prefix="bench-model-")
+        if model_dir != args.model:
+            model.save_pretrained(model_dir)
+            tok.save_pretrained(model_dir)
+
+    n = cfg.prompts_per_step * cfg.group_size
+    ours = bench_ours(cfg, args, model, tok, words)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"bench: {described}, {n_params / 1e6:.1f}M parameters, {cfg.device}, {cfg.dtype}"
+          f"{' (sampling too)' if args.autocast_sampling else ''}, sampling path {ours['sampling_path']}")
+    print(f"B={cfg.prompts_per_step} G={cfg.group_size} N={n}, prompt {args.prompt_len} + {cfg.max_new_tokens} new tokens, "
+          f"beta {cfg.beta}, v={cfg.offpolicy_steps}, micro-batch {cfg.micro_batch or n}; "
+          f"median of {args.steps} steps after {args.warmup} warm-up")
+    print(f"{'phase':<10}{'median s':>10}{'share':>8}")
+    for p in PHASES:
+        print(f"{p:<10}{ours['phases'][p]:>10.4f}{ours['phases'][p] / ours['step_s']:>8.1%}")
+    print(f"{'step':<10}{ours['step_s']:>10.4f}   (mean {ours['step_s_mean']:.4f})")
+    print(f"tokens/s {ours['tokens_per_s']:.0f}, peak memory {ours['peak_mem_gb']:.2f} GB")
+
+    result = {k: ours[k] for k in ("step_s", "phases", "tokens_per_s", "peak_mem_gb", "sampling_path", "step_s_mean")}
+    result.update(model=args.model, device=cfg.device, dtype=cfg.dtype, prompts=cfg.prompts_per_step, group=cfg.group_size,
+                  prompt_len=args.prompt_len, max_new_tokens=cfg.max_new_tokens, beta=cfg.beta,
+                  offpolicy_steps=cfg.offpolicy_steps, micro_batch=cfg.micro_batch or n, steps=args.steps,
+                  autocast_sampling=args.autocast_sampling)
+    if model_dir is not None:
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        theirs = bench_trl(cfg, args, model_dir, tok, words)
+        ratio = ours["step_s"] / theirs["step_s"]
+        mem = f", peak memory {theirs['peak_mem_gb']:.2f} GB" if theirs["peak_mem_gb"] is not None else ""
+        print(f"TRL {theirs['version']} GRPOTrainer: step {theirs['step_s']:.4f} s (median of {theirs['steps']} after "
+              f"{args.warmup} warm-up; prompts re-tokenised to {theirs['prompt_len']:.1f} tokens){mem}")
+        print(f"ours / TRL = {ratio:.3f}")
+        result.update(trl_step_s=theirs["step_s"], ratio_vs_trl=ratio, trl_version=theirs["version"],
+                      trl_peak_mem_gb=theirs["peak_mem_gb"])
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

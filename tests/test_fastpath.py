@@ -1,0 +1,213 @@
+"""rollout.py's fast path (static KV cache, CUDA graph) against the plain loop, the reference.
+
+On CPU the static-cache decode runs without graph capture (`fast=True`), so the cache, the masks,
+the positions and the EOS bookkeeping are all checked here; the CUDA-graph tests skip without CUDA
+(gpu_check.sh runs them on the GPU machine). The fast path samples by the exponential race rather
+than multinomial, so sampled tokens differ between the paths for the same seed: sampling is
+checked by the log-probs of the fast path's own tokens under a full forward pass, and the race
+itself against softmax frequencies. Greedy decoding must give identical tokens.
+"""
+
+import pytest
+import torch
+
+import rollout
+from rollout import generate, sample_exponential_race, sampling_path, token_logprobs
+from tasks import Problem, encode_prompts
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA-graph path: needs a GPU (gpu_check.sh runs it)")
+
+# Prompts of different lengths, so the batch is left-padded and positions must skip the padding.
+PROMPTS = [Problem("12+3=", "15"), Problem("4*4=", "16"), Problem("123-45=", "78")]
+
+
+def kwargs(tok, **kw):
+    return dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **kw)
+
+
+def prompts(tok, device="cpu"):
+    return encode_prompts(tok, PROMPTS, device)
+
+
+def assert_same_rollout(a, b, atol=1e-5):
+    """Identical tokens and masks; log-probs and entropies equal to float tolerance."""
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.completion_mask, b.completion_mask)
+    assert torch.equal(a.truncated, b.truncated)
+    assert torch.equal(a.prompt_ids, b.prompt_ids) and torch.equal(a.prompt_mask, b.prompt_mask)
+    assert torch.allclose(a.sampler_logp, b.sampler_logp, atol=atol)
+    assert torch.allclose(a.entropy, b.entropy, atol=atol)
+
+
+def full_forward_entropy(model, ro, temperature):
+    """Entropy of softmax(logits / tau) at every completion position, from one uncached forward."""
+    ids, attn = ro.input_ids, ro.attention_mask
+    t = ro.completion_ids.shape[1]
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=rollout.position_ids_from_mask(attn)).logits
+    logp = torch.log_softmax(logits[:, -t - 1 : -1].float() / temperature, dim=-1)  # (N, T, V)
+    return -(logp.exp() * logp).sum(-1) * ro.completion_mask  # (N, T)
+
+
+def test_greedy_is_identical_on_both_paths(model, tok):
+    ids, mask = prompts(tok)
+    kw = kwargs(tok, group_size=2, max_new_tokens=12, temperature=0.0)
+    plain = generate(model, ids, mask, fast=False, **kw)
+    fast = generate(model, ids, mask, fast=True, **kw)
+    assert_same_rollout(plain, fast)
+    # ignore_eos too: every row runs to max_new_tokens and is truncated.
+    plain = generate(model, ids, mask, fast=False, ignore_eos=True, **kw)
+    fast = generate(model, ids, mask, fast=True, ignore_eos=True, **kw)
+    assert_same_rollout(plain, fast)
+    assert fast.completion_ids.shape[1] == 12 and fast.truncated.all()
+
+
+@pytest.fixture(scope="module")
+def ending_model(tok):
+    """A tiny policy after 60 supervised steps (3 s): it answers and then emits EOS, after 2-4 tokens."""
+    import tiny
+
+    model = tiny.build_model(tok, seed=0)
+    tiny.warm_up(model, tok, 60, batch_size=32, lr=1e-2)
+    return model.eval()
+
+
+@pytest.mark.parametrize("max_new_tokens", [3, 8])
+def test_eos_bookkeeping_matches_the_plain_loop(ending_model, tok, max_new_tokens):
+    # 3: some rows end, some are truncated; 8: every row ends, so both paths stop early at the same T.
+    from tasks import arithmetic_problems
+
+    ids, mask = encode_prompts(tok, arithmetic_problems()[1][:24], "cpu")
+    kw = kwargs(tok, group_size=1, max_new_tokens=max_new_tokens, temperature=0.0)
+    plain = generate(ending_model, ids, mask, fast=False, **kw)
+    fast = generate(ending_model, ids, mask, fast=True, **kw)
+    assert_same_rollout(plain, fast)
+    lengths = fast.completion_mask.sum(1)
+    assert len(set(lengths.tolist())) > 1  # rows end at different steps
+    if max_new_tokens == 3:
+        assert fast.truncated.any() and not fast.truncated.all()
+    else:
+        assert not fast.truncated.any() and fast.completion_ids.shape[1] == int(lengths.max()) < max_new_tokens
+
+
+def test_sampled_masks_follow_the_eos_rules(ending_model, tok):
+    ids, mask = prompts(tok)
+    ro = generate(ending_model, ids, mask, fast=True, generator=torch.Generator().manual_seed(0),
+                  **kwargs(tok, group_size=8, max_new_tokens=4, temperature=1.5))
+    assert ro.truncated.any() and not ro.truncated.all()
+    for row, m, trunc in zip(ro.completion_ids, ro.completion_mask, ro.truncated):
+        k = int(m.sum())  # the mask is a prefix: 1 up to and including EOS, then pad
+        assert m[:k].all() and not m[k:].any() and (row[k:] == tok.pad_token_id).all()
+        assert bool(trunc) == (tok.eos_token_id not in row[:k].tolist())
+        if not trunc:
+            assert row[k - 1] == tok.eos_token_id and tok.eos_token_id not in row[: k - 1].tolist()
+    assert (ro.sampler_logp[ro.completion_mask == 0] == 0).all() and (ro.entropy[ro.completion_mask == 0] == 0).all()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_and_entropy_match_a_full_forward(model, tok, temperature):
+    ids, mask = prompts(tok)
+    kw = kwargs(tok, group_size=4, max_new_tokens=10, temperature=temperature)
+    ro = generate(model, ids, mask, fast=True, generator=torch.Generator().manual_seed(0), **kw)
+    lp = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, temperature)
+    assert torch.allclose(ro.sampler_logp, lp, atol=1e-5)  # static-cache sampling == full forward
+    assert torch.allclose(ro.entropy, full_forward_entropy(model, ro, temperature), atol=1e-5)
+    # Same for the plain path's tokens, so both paths score their tokens under the same model.
+    pl = generate(model, ids, mask, fast=False, generator=torch.Generator().manual_seed(0), **kw)
+    assert torch.allclose(pl.sampler_logp, token_logprobs(model, pl.input_ids, pl.attention_mask, pl.completion_mask,
+                                                          temperature), atol=1e-5)
+    # The generator alone decides the sample: same seed, same tokens; another seed, others.
+    again = generate(model, ids, mask, fast=True, generator=torch.Generator().manual_seed(0), **kw)
+    other = generate(model, ids, mask, fast=True, generator=torch.Generator().manual_seed(1), **kw)
+    assert_same_rollout(ro, again, atol=0)
+    assert not torch.equal(ro.completion_ids, other.completion_ids)
+
+
+def test_reused_cache_sees_new_prompts_and_new_weights(tok):
+    # The decoder (and on CUDA its graph) is kept per model and shape; a later call must see the
+    # new prompts and the weights as they are now (an optimizer step changes them in place).
+    import tiny
+
+    model = tiny.build_model(tok, seed=0).eval()
+    kw = kwargs(tok, group_size=2, max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    ids, mask = prompts(tok)
+    generate(model, ids, mask, fast=True, **kw)
+    ids2, mask2 = encode_prompts(tok, [Problem("9*9=", "81"), Problem("1+1=", "2"), Problem("77-70=", "7")], "cpu")
+    assert_same_rollout(generate(model, ids2, mask2, fast=False, **kw), generate(model, ids2, mask2, fast=True, **kw))
+    with torch.no_grad():
+        model.load_state_dict(tiny.build_model(tok, seed=5).state_dict())  # in place, like alpha <- pi_theta
+    assert_same_rollout(generate(model, ids2, mask2, fast=False, **kw), generate(model, ids2, mask2, fast=True, **kw))
+
+
+def test_exponential_race_draws_from_the_softmax():
+    # 40,000 independent draws from one distribution over 6 tokens: frequencies within 5 sigma.
+    p = torch.softmax(torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, -3.0]), -1)
+    n = 40_000
+    draws = sample_exponential_race(p.expand(n, -1).contiguous(), torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws, minlength=6).double() / n
+    sigma = (p.double() * (1 - p.double()) / n).sqrt()
+    assert ((freq - p.double()).abs() <= 5 * sigma + 1e-9).all(), (freq, p)
+
+
+def test_sampling_path_names(model, tok):
+    from types import SimpleNamespace
+
+    assert sampling_path(model) == ("static-cache+cuda-graph" if next(model.parameters()).is_cuda else "plain")
+    assert sampling_path(model, fast=True) == "static-cache"  # the model is on CPU here
+    assert sampling_path(model, fast=False) == "plain"
+    lm = torch.nn.Linear(2, 2)  # not a transformers model: plain, and fast=True is an error
+    lm.config = SimpleNamespace(_attn_implementation="sdpa")
+    assert sampling_path(lm) == "plain"
+    with pytest.raises(ValueError):
+        sampling_path(lm, fast=True)
+
+
+# --- CUDA: the captured graph ---------------------------------------------------------------------
+
+
+@needs_cuda
+def test_cuda_graph_greedy_matches_plain_and_sees_weight_updates(tok):
+    import tiny
+
+    model = tiny.build_model(tok, seed=0).cuda().eval()
+    assert sampling_path(model) == "static-cache+cuda-graph"
+    ids, mask = prompts(tok, "cuda")
+    kw = kwargs(tok, group_size=4, max_new_tokens=16, temperature=0.0)
+    assert_same_rollout(generate(model, ids, mask, fast=False, **kw), generate(model, ids, mask, **kw), atol=1e-4)
+    assert sampling_path(model) == "static-cache+cuda-graph"  # the capture worked (no fallback)
+    # An optimizer step changes the weights in place: the replayed graph must use the new ones.
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert_same_rollout(generate(model, ids, mask, fast=False, **kw), generate(model, ids, mask, **kw), atol=1e-4)
+
+
+@needs_cuda
+def test_cuda_graph_sampling_logprobs_match_a_full_forward(tok):
+    import tiny
+
+    model = tiny.build_model(tok, seed=1).cuda().eval()
+    ids, mask = prompts(tok, "cuda")
+    kw = kwargs(tok, group_size=8, max_new_tokens=16, temperature=0.9)
+    gen = lambda s: torch.Generator(device="cuda").manual_seed(s)
+    ro = generate(model, ids, mask, generator=gen(0), **kw)
+    lp = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 0.9)
+    assert torch.allclose(ro.sampler_logp, lp, atol=1e-4)
+    assert torch.allclose(ro.entropy, full_forward_entropy(model, ro, 0.9), atol=1e-4)
+    assert_same_rollout(ro, generate(model, ids, mask, generator=gen(0), **kw), atol=0)  # graph replay reproduces
+
+
+@needs_cuda
+def test_cuda_graph_under_bf16_autocast(tok):
+    # train.py may run the sampler under bf16 autocast; the graph must capture without the cast cache.
+    import tiny
+
+    model = tiny.build_model(tok, seed=2).cuda().eval()
+    ids, mask = prompts(tok, "cuda")
+    kw = kwargs(tok, group_size=4, max_new_tokens=12, temperature=1.0, generator=torch.Generator(device="cuda").manual_seed(0))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ro = generate(model, ids, mask, **kw)
+        lp = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)
+    assert sampling_path(model) == "static-cache+cuda-graph"
+    assert torch.isfinite(ro.sampler_logp).all()
+    assert (ro.sampler_logp - lp).abs().max() < 0.1  # bf16 rounding only

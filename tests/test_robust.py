@@ -1,0 +1,172 @@
+"""Failure modes: exact resume after SIGKILL, one-line errors on bad input, non-finite steps."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train
+from checkpoint import latest_checkpoint, save_checkpoint
+from config import Config, resolve
+from conftest import ROOT, TEST_WARMUP
+
+ENV = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1"}
+
+
+def cli(*args, timeout=300):
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=ENV)
+
+
+def small_run(cache, out, steps=12):
+    return ["--steps", str(steps), "--offpolicy-steps", "2", "--beta", "0.04", "--prompts-per-step", "4",
+            "--group-size", "4", "--lr", "1e-4", "--eval-size", "20", "--eval-every", "5", "--save-every", "4",
+            "--warmup-steps", str(TEST_WARMUP), "--cache-dir", cache, "--out", str(out), "--no-progress"]
+
+
+def test_sigkill_then_resume_gives_the_same_final_weights(warm_cache, tmp_path):
+    ref_out, cut_out = tmp_path / "uninterrupted", tmp_path / "killed"
+    r = cli(*small_run(warm_cache, ref_out, steps=24))
+    assert r.returncode == 0, r.stderr[-2000:]
+
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *small_run(warm_cache, cut_out, steps=24)],
+                            cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while latest_checkpoint(str(cut_out)) is None and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)  # right after the first checkpoint landed
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not (cut_out / "final").exists()
+    killed_at = int(latest_checkpoint(str(cut_out)).stem.split("-")[1])
+    assert killed_at < 24
+
+    r = cli("--resume", "--out", str(cut_out), "--no-progress")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"at step {killed_at}" in r.stdout + r.stderr
+    a = load_file(ref_out / "final" / "model.safetensors")
+    b = load_file(cut_out / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    steps = [json.loads(line)["step"] for line in (cut_out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(24))  # every step logged exactly once
+    ref_summary = json.loads((ref_out / "summary.json").read_text())
+    cut_summary = json.loads((cut_out / "summary.json").read_text())
+    assert cut_summary["eval_accuracy_end"] == ref_summary["eval_accuracy_end"]
+    assert len(list((cut_out / "checkpoints").glob("step-*.pt"))) == 2  # --keep-checkpoints 2
+
+
+def test_half_written_checkpoints_are_never_loaded(tmp_path):
+    out = str(tmp_path)
+    save_checkpoint(out, {"step": 3}, 3, keep=2)
+    (tmp_path / "checkpoints" / ".tmp-abc.pt").write_bytes(b"\x00garbage")  # a crash mid-write
+    (tmp_path / "checkpoints" / "step-00000009.pt.partial").write_bytes(b"")
+    assert latest_checkpoint(out).name == "step-00000003.pt"
+    for k in (6, 9, 12):
+        save_checkpoint(out, {"step": k}, k, keep=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*.pt")) == ["step-00000009.pt", "step-00000012.pt"]
+
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+GOOD = json.dumps({"question": "1+1?", "answer": "1+1=2\n#### 2"})
+
+
+@pytest.mark.parametrize("case,expect", [
+    ("missing", "no such file"),
+    ("empty", "has no rows"),
+    ("notjson", ":2: not valid JSON"),
+    ("nofield", ":2: row needs string fields 'question' and 'answer'"),
+    ("nonumber", ":3: answer has no parseable final number"),
+])
+def test_bad_data_files_get_a_one_line_error(tmp_path, case, expect):
+    files = {
+        "missing": str(tmp_path / "nope.jsonl"),
+        "empty": write(tmp_path, "e.jsonl", "\n"),
+        "notjson": write(tmp_path, "j.jsonl", GOOD + "\n{not json\n"),
+        "nofield": write(tmp_path, "f.jsonl", GOOD + '\n{"question": "q"}\n'),
+        "nonumber": write(tmp_path, "n.jsonl", GOOD + "\n" + GOOD + '\n{"question": "q", "answer": "#### many"}\n'),
+    }
+    r = cli("--task", "gsm8k", "--data-files", files[case], "--model", "/nonexistent", "--out", str(tmp_path / "o"))
+    assert_one_line_error(r, expect)
+    assert files[case] in r.stderr or case == "missing"
+    assert not (tmp_path / "o").exists()  # nothing written for a run that never started
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--group-size", "1"], "--group-size must be >= 2"),
+    (["--offpolicy-steps", "0"], "--offpolicy-steps must be >= 1"),
+    (["--prompts-per-step", "0"], "--prompts-per-step must be >= 1"),
+    (["--micro-batch", "5"], "--micro-batch 5 must divide the batch N"),
+    (["--lr", "-1"], "--lr must be >= 0"),
+    (["--beta", "-0.1"], "--beta must be >= 0"),
+    (["--clip-eps", "-0.2"], "--clip-eps must be >= 0"),
+    (["--temperature", "0"], "--temperature must be > 0"),
+    (["--task", "chess"], "--task: unknown value 'chess'"),
+    (["--clip-center", "middle"], "--clip-center: unknown value"),
+    (["--model", "/no/such/model", "--task", "gsm8k", "--data-files", "DATA"], "--model /no/such/model: cannot be loaded"),
+    (["--model", "no-such-org/no-such-model", "--task", "gsm8k", "--data-files", "DATA"], "--model no-such-org/no-such-model: cannot be loaded"),
+    (["--resume", "--out", "EMPTY"], "--resume:"),
+])
+def test_bad_flags_get_a_one_line_error(tmp_path, args, expect):
+    data = write(tmp_path, "d.jsonl", "\n".join([GOOD] * 600))
+    args = [data if a == "DATA" else str(tmp_path / "empty") if a == "EMPTY" else a for a in args]
+    r = cli(*args, "--cache-dir", str(tmp_path / "cache"))
+    assert_one_line_error(r, expect)
+    assert not (tmp_path / "cache").exists()  # checked before any model was built or loaded
+
+
+def assert_one_line_error(r, expect):
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], r.stderr
+
+
+def test_prompts_longer_than_the_context_are_skipped_with_a_count():
+    # The tiny model's context is 64 positions: with 8 new tokens, a prompt may use 56.
+    from tasks import Problem, TaskError, fit_context
+    import tiny
+
+    tok = tiny.build_tokenizer()
+    long_q = "1" * 80 + "+1="
+    kept, dropped = fit_context(tok, [Problem(long_q, "2"), Problem("1+1=", "2")], 56, "training")
+    assert dropped == 1 and kept == [Problem("1+1=", "2")]
+    with pytest.raises(TaskError, match="every training prompt is longer"):
+        fit_context(tok, [Problem(long_q, "2")], 56, "training")
+
+
+def test_non_finite_gradients_skip_the_step_and_three_stop_the_run(model, tok, tmp_path, warm_cache):
+    from test_train import make_batch
+
+    batch = make_batch(model, tok)
+    batch["advantages"] = batch["advantages"] * float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    st = train.update(resolve(Config(out=str(tmp_path))), model, opt, batch, None, None)
+    assert st["nonfinite_updates"] == 1
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # no optimizer step
+
+    r = cli("--lr", "1e30", "--steps", "20", "--save-every", "1", "--warmup-steps", str(TEST_WARMUP),
+            "--cache-dir", warm_cache, "--eval-size", "10", "--out", str(tmp_path / "o"), "--no-progress")
+    assert_one_line_error_tail(r, "not finite 3 steps in a row")
+    rows = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    bad = [row["step"] for row in rows if row["nonfinite_updates"]]
+    assert len(bad) == 3 and bad == list(range(bad[0], bad[0] + 3))
+    last_ck = latest_checkpoint(str(tmp_path / "o"))
+    assert last_ck is not None and int(last_ck.stem.split("-")[1]) == bad[0]  # written before the streak
+
+
+def assert_one_line_error_tail(r, expect):
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: ") and expect in r.stderr.strip().splitlines()[-1]
