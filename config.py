@@ -39,7 +39,8 @@ class Config:
     temperature: float = arg(1.0, "sampling temperature tau; log-probs are computed from logits / tau")
     offpolicy_steps: int = arg(1, "v, the sampler is refreshed from the policy every v steps (1 = on-policy)")
     # --- advantages (step 4) ----------------------------------------------------------------------
-    mask_zero_std: bool = arg(True, "drop groups whose rewards are all equal from the loss and its normaliser")
+    mask_zero_std: bool = arg(True, "drop groups whose rewards are all equal from the loss and its normaliser "
+                                    "(--no-mask-zero-std keeps them)")
     asymre_shift: float = arg(0.0, "AsymRE of [B]: baseline mean(r) - shift, advantages not divided by std")
     red: str = arg("none", "data shaping of [B]: none, drop (RED-Drop), weight (RED-Weight)", ["none", "drop", "weight"])
     red_tau: float = arg(1.0, "tau of RED-Weight, A <- A * exp(A / tau)")
@@ -72,7 +73,7 @@ class Config:
     dtype: str = arg("auto", "auto (bfloat16 autocast on cuda, float32 on cpu), float32, bfloat16",
                      ["auto", "float32", "bfloat16"])
     out: str | None = arg(None, "output folder (default: runs/<timestamp>)")
-    progress: bool = arg(True, "show the tqdm progress bar")
+    progress: bool = arg(True, "the tqdm progress bar (--no-progress hides it)")
     # --- checkpoints ------------------------------------------------------------------------
     save_every: int = arg(0, "write a checkpoint every this many steps into --out/checkpoints (0 = never)")
     keep_checkpoints: int = arg(2, "how many of the newest checkpoints to keep")
@@ -89,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
-        help_, choices = f.metadata["help"], f.metadata["choices"]
+        help_ = f.metadata["help"]  # choices are checked by validate(), with a one-line error
         if f.type in (bool, "bool"):
             if f.default:
                 p.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=help_ + " (on by default)")
@@ -101,8 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
             kind = int
         elif "float" in str(f.type):
             kind = float
-        if choices:
-            help_ += f" {{{','.join(choices)}}}"  # checked by validate(), with a one-line error
         p.add_argument(flag, dest=f.name, type=kind, default=f.default, help=help_)
     return p
 

@@ -19,11 +19,11 @@ Deviations from common practice:
      row chunks, keeps only each row's log-sum-exp, and recomputes the chunk in backward.
   2. The sampler is our own loop rather than `model.generate`, so that it takes a generator,
      returns the sampled tokens' log-probs and entropies, and treats EOS uniformly.
-  3. On CUDA, `generate` takes a fast path (the technique of pytorch-labs/gpt-fast): a static KV
-     cache written in place, and the one-token decode step captured once in a CUDA graph and
-     replayed, so a step costs no Python per layer. It samples by the exponential race (argmax
-     p_i / E_i, E_i ~ Exp(1): exact, and no cumulative sum over V as in multinomial). The plain
-     loop stays the CPU path and the reference; tests/test_fastpath.py checks that they agree.
+  3. On CUDA, `generate` takes a fast path (gpt-fast's technique): a static KV cache written in
+     place, and the decode step captured once in a CUDA graph and replayed, so a step costs no
+     Python per layer; it samples by the exponential race (exact, and no cumulative sum over V).
+     The plain loop stays the CPU path and the reference; tests/test_fastpath.py checks they agree.
+  4. A group's G rows share their prompt: sampling and `token_logprobs` run it once per group.
 """
 
 import inspect
@@ -101,14 +101,23 @@ def generate(
         A Rollout with N = B * group_size rows, ordered group-major.
     """
     device = prompt_ids.device
-    ids = prompt_ids.repeat_interleave(group_size, dim=0)  # (N, P)
-    mask = prompt_mask.repeat_interleave(group_size, dim=0).long()  # (N, P)
     rows = torch.arange(prompt_ids.shape[0], device=device).repeat_interleave(group_size)  # (N,) each row's prompt
-    plain = sampling_path(model, fast) == "plain"
-    dec = _DynamicDecoder() if plain else _static_decoder(model, ids.shape[0], ids.shape[1] + max_new_tokens, device)
-    # A group's G completions share its prompt: it runs once, and its cache is copied to the G rows.
-    last = dec.prefill(model, prompt_ids, prompt_mask.long(), rows)  # (N, V) next-token logits
-    n = ids.shape[0]
+    ids, mask = prompt_ids[rows], prompt_mask[rows].long()  # (N, P) each
+    n, plain = ids.shape[0], sampling_path(model, fast) == "plain"
+    if not plain and fast is None:  # auto: should the static cache not fit this model (say, another
+        try:  # transformers version calls the cache differently), sample plainly from then on
+            return generate(model, prompt_ids, prompt_mask, group_size=group_size, max_new_tokens=max_new_tokens,
+                            temperature=temperature, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                            generator=generator, ignore_eos=ignore_eos, fast=True)
+        except (RuntimeError, TypeError, ValueError, AttributeError, IndexError, KeyError) as e:  # not FloatingPointError
+            warnings.warn(f"rollout: the static-cache path failed, this model samples plainly from now on ({e!r})")
+            _NO_FAST.add(model)
+            _DECODERS.pop(model, None)
+            plain = True
+    dec = _DynamicDecoder() if plain else _static_decoder(model, n, ids.shape[1] + max_new_tokens, device)
+    last = dec.prefill(model, prompt_ids, prompt_mask.long(), rows)  # (N, V) next-token logits, prompts run once
+    if not torch.isfinite(last).all():  # a diverged policy; train.py counts it as a non-finite step
+        raise FloatingPointError("generate: the sampler's logits are not finite")
     tokens, logps, ents = [], [], []
     alive = torch.ones(n, dtype=torch.bool, device=device)  # (N,) no EOS yet
     lengths = torch.zeros(n, dtype=torch.long, device=device)  # (N,) tokens kept so far
@@ -137,15 +146,9 @@ def generate(
 
     t = int(lengths.max())  # the step at which the last row ended (the fast path may have gone on)
     completion_mask = (torch.arange(t, device=device).unsqueeze(0) < lengths.unsqueeze(1)).long()  # (N, T)
-    return Rollout(
-        prompt_ids=ids,
-        prompt_mask=mask,
-        completion_ids=torch.stack(tokens, dim=1)[:, :t],
-        completion_mask=completion_mask,
-        sampler_logp=torch.stack(logps, dim=1)[:, :t],
-        entropy=torch.stack(ents, dim=1)[:, :t],
-        truncated=alive,
-    )
+    return Rollout(prompt_ids=ids, prompt_mask=mask, completion_ids=torch.stack(tokens, dim=1)[:, :t],
+                   completion_mask=completion_mask, sampler_logp=torch.stack(logps, dim=1)[:, :t],
+                   entropy=torch.stack(ents, dim=1)[:, :t], truncated=alive)
 
 
 class _DynamicDecoder:
@@ -161,7 +164,6 @@ class _DynamicDecoder:
         return out.logits[rows, -1, :]  # (N, V)
 
     def decode(self, model, token: torch.Tensor) -> torch.Tensor:
-        """Feed the tokens (N,) just sampled; returns the next logits (N, V)."""
         self.attn = torch.cat([self.attn, torch.ones_like(token[:, None])], dim=1)  # (N, P+t+1)
         self.pos = self.pos + 1  # (N, 1)
         out = model(input_ids=token[:, None], attention_mask=self.attn, position_ids=self.pos, use_cache=True, **self.cache)
@@ -177,34 +179,33 @@ def sampling_path(model, fast: bool | None = None) -> str:
     ok = isinstance(model, PreTrainedModel) and cfg._attn_implementation == "sdpa" and \
         set(getattr(cfg, "layer_types", None) or ["?"]) == {"full_attention"}
     on_cuda = next(model.parameters()).device.type == "cuda"
-    if fast is False or (fast is None and not (ok and on_cuda)):
+    if fast is False or (fast is None and not (ok and on_cuda and model not in _NO_FAST)):
         return "plain"
     if not ok:
         raise ValueError("generate(fast=True) needs a transformers model with sdpa attention and full-attention layers")
-    return "static-cache+cuda-graph" if on_cuda and model not in _NO_GRAPH else "static-cache"
+    return "static-cache+cuda-graph" if on_cuda else "static-cache"
 
 
 def sample_exponential_race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Row-wise index i with probability p_i: argmax_i p_i / E_i, E_i ~ Exp(1) (Gumbel-max, as in gpt-fast).
     E = -log U with U ~ U[0, 1) is never 0 (U = 0 gives E = inf: that token loses), so none wins by a zero divisor."""
-    u = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=probs.dtype)  # (N, V)
-    return (probs / -torch.log(u)).argmax(dim=-1)  # (N,)
+    exp = -torch.rand(probs.shape, generator=generator, device=probs.device, dtype=probs.dtype).log()  # (N, V) E_i
+    return (probs / exp).argmax(dim=-1)  # (N,)
 
 
 class _StaticDecoder:
-    """A static KV cache, (N, H_kv, L, D) per layer, that the attention layers update (the prefill
-    columns 0..P-1, a decode step the column in the device tensor `write`), and the decode step's
-    inputs, each a fixed tensor updated in place: on CUDA the step is captured once as a graph."""
+    """A static KV cache, (N, H_kv, L, D) per layer, and the decode step's inputs, each a fixed tensor
+    updated in place (a step writes cache column `write`): on CUDA the step is captured once as a graph."""
 
     def __init__(self, model, n: int, length: int, device):
         self.n, self.length, self.keys, self.values, self.rows = n, length, {}, {}, None  # rows: set while prefilling
         self.write = torch.zeros(1, dtype=torch.long, device=device)  # (1,) cache column of the next token
-        self.ids = torch.zeros(n, 1, dtype=torch.long, device=device)  # (N, 1) the token fed next
-        self.pos = torch.zeros(n, 1, dtype=torch.long, device=device)  # (N, 1) its position id
+        self.ids, self.pos = torch.zeros(2, n, 1, dtype=torch.long, device=device)  # (N, 1) the token fed next, its position
         self.mask = torch.zeros(n, 1, 1, length, dtype=torch.bool, device=device)  # (N, 1, 1, L) visible columns
-        self.use_graph, self.graph, self.logits = device.type == "cuda" and model not in _NO_GRAPH, None, None
+        self.graph, self.logits = None, None  # on CUDA: the captured decode step and its output
         self.kw = {_cache_kwarg(model): self, **_last_logits_only(model)}
-        self.pass_position = "cache_position" in inspect.signature(model.forward).parameters  # transformers < 5.2x
+        if "cache_position" in inspect.signature(model.forward).parameters:  # transformers < 5.2x would ask the
+            self.kw["cache_position"] = self.write  # cache for it otherwise; only caches read it, and ours does not
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # (N, H_kv, t, D) in, L columns out
         if layer_idx not in self.keys:  # allocated by the prefill, before any graph capture
@@ -219,13 +220,11 @@ class _StaticDecoder:
         k[:, :, : key_states.shape[2]], v[:, :, : key_states.shape[2]] = key_states[self.rows], value_states[self.rows]
         return key_states, value_states
 
-    def _forward(self, model, ids=None, pos=None, mask=None, cache_position=None) -> torch.Tensor:
-        """One forward through the cache; without arguments, the decode step on the static inputs."""
-        if ids is None:
-            ids, pos, mask, cache_position = self.ids, self.pos, self.mask, self.write
-        extra = {"cache_position": cache_position} if self.pass_position else {}
+    def _forward(self, model, ids=None, pos=None, mask=None) -> torch.Tensor:
+        if ids is None:  # the decode step, on the static inputs
+            ids, pos, mask = self.ids, self.pos, self.mask
         out = model(input_ids=ids, attention_mask={"full_attention": mask}, position_ids=pos, use_cache=True,
-                    **self.kw, **extra)  # transformers uses a dict of masks as given
+                    **self.kw)  # transformers uses a dict of masks as given
         return out.logits[:, -1, :]  # (N, V)
 
     def prefill(self, model, ids: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -241,11 +240,10 @@ class _StaticDecoder:
         pos = position_ids_from_mask(mask)  # (B, P)
         self.pos.copy_(pos[rows, -1:])
         self.write.fill_(p - 1)  # each decode step first moves it one column on
-        self.rows = rows
-        try:
-            return self._forward(model, ids, pos, visible[:, None], torch.arange(p, device=ids.device))[rows]
-        finally:
-            self.rows = None
+        self.rows = rows  # while set, update() fills the prefill columns
+        logits = self._forward(model, ids, pos, visible[:, None])  # (B, V)
+        self.rows = None
+        return logits[rows]  # (N, V)
 
     def decode(self, model, token: torch.Tensor) -> torch.Tensor:
         """Feed the tokens (N,) just sampled at the next column; returns the next logits (N, V)."""
@@ -253,23 +251,18 @@ class _StaticDecoder:
         self.pos.add_(1)
         self.write.add_(1)
         self.mask.index_fill_(3, self.write, True)  # the new column becomes visible
-        if self.use_graph and self.graph is None:
-            try:
-                self._capture(model)
-            except RuntimeError as e:  # an op the graph cannot hold: this model decodes eagerly from now on
-                warnings.warn(f"rollout: CUDA graph capture failed, decoding without it ({e})")
-                _NO_GRAPH.add(model)
-                self.use_graph = False
-        if not self.use_graph:
+        if not self.write.is_cuda:  # on CPU: an eager forward
             return self._forward(model)
+        if self.graph is None:
+            self._capture(model)
         self.graph.replay()  # recomputes self.logits from the static inputs
         return self.logits
 
     def _capture(self, model) -> None:
         """Warm up on a side stream, then capture one decode step (torch.cuda.graph's recipe). No
         autocast weight-cast cache: it would freeze the weights' bf16 copies into the graph."""
-        amp = torch.is_autocast_enabled("cuda")
-        with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), enabled=amp, cache_enabled=False):
+        amp = dict(dtype=torch.get_autocast_dtype("cuda"), enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
+        with torch.autocast("cuda", **amp):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -282,20 +275,18 @@ class _StaticDecoder:
         self.graph = graph
 
 
-_DECODERS = weakref.WeakKeyDictionary()  # model -> {shape key: _StaticDecoder}, freed with the model
-_NO_GRAPH = weakref.WeakSet()  # models whose graph capture failed
+_DECODERS = weakref.WeakKeyDictionary()  # model -> (shape key, _StaticDecoder), freed with the model
+_NO_FAST = weakref.WeakSet()  # models on which the static-cache path failed: they sample plainly
 
 
 def _static_decoder(model, n: int, length: int, device) -> _StaticDecoder:
     """The model's static decoder for N rows and >= `length` columns, kept: its graph is captured once."""
     length = -(-length // 64) * 64  # rounded up: prompts of nearby lengths share one graph
-    key = (n, length, str(device), model in _NO_GRAPH, model.training, torch.is_autocast_enabled(device.type),
+    key = (n, length, str(device), model.training, torch.is_autocast_enabled(device.type),
            model.get_input_embeddings().weight.data_ptr())
-    decoders = _DECODERS.setdefault(model, {})
-    if key not in decoders and len(decoders) >= 2:  # at most two, e.g. the training and the evaluation batch
-        decoders.pop(next(iter(decoders)))
-    decoders[key] = decoders.get(key) or _StaticDecoder(model, n, length, device)
-    return decoders[key]
+    if _DECODERS.get(model, (None,))[0] != key:  # one per model: another shape (evaluation) captures anew
+        _DECODERS[model] = (key, _StaticDecoder(model, n, length, device))
+    return _DECODERS[model][1]
 
 
 class _SelectedLogProb(torch.autograd.Function):
@@ -348,19 +339,14 @@ class _SelectedLogProb(torch.autograd.Function):
 
 def _has_plain_head(model) -> bool:
     """True when logits are exactly lm_head(last_hidden_state): no soft-capping or scaling."""
-    head = model.get_output_embeddings()
-    cfg = model.config
+    head, cfg = model.get_output_embeddings(), model.config
     odd = getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None)
     return isinstance(head, torch.nn.Linear) and not odd and hasattr(model, "get_decoder")
 
 
 def _completion_states(decoder, input_ids, attention_mask, pos, t: int) -> torch.Tensor:
-    """The hidden states (N, T, H) that predict the T completion tokens.
-
-    Adjacent rows with the same prompt (a group's G completions) run it once: its KV cache is then
-    indexed per row, differentiably, and only the completions run per row. Same values and
-    gradients as the plain pass, with the prompt's share of the compute divided by G.
-    """
+    """The hidden states (N, T, H) that predict the T completion tokens. Adjacent rows with one prompt (a group)
+    run it once, its KV cache indexed per row (differentiably): one plain pass's values and gradients, for less."""
     p = input_ids.shape[1] - t
     same = ((input_ids[1:, :p] == input_ids[:-1, :p]) & (attention_mask[1:, :p] == attention_mask[:-1, :p])).all(1)
     first = torch.cat([same.new_ones(1), ~same])  # (N,) the row starts a new prompt
@@ -396,8 +382,7 @@ def token_logprobs(
     Returns:
         (N, T) float32 log-probs, 0 where completion_mask is 0. Differentiable when grad is on.
     """
-    n, length = input_ids.shape
-    t = completion_mask.shape[1]
+    (n, length), t = input_ids.shape, completion_mask.shape[1]
     tau = temperature if temperature > 0 else 1.0
     pos = position_ids_from_mask(attention_mask)  # (N, P+T)
     sel = completion_mask.bool()  # (N, T)

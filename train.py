@@ -21,27 +21,28 @@ Deviations from [A]:
      at --temperature.
 """
 
-import argparse
 import copy
-import json
-import math
 import random
 import sys
 import time
-from dataclasses import asdict
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from advantage import group_advantages, red_drop, red_weight
+from checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from config import Config, ConfigError, build_parser, config_from_args, validate
 from objective import aggregation_total, opmd_loss, policy_loss, rec_loss
 from reward import math_reward
-from rollout import generate, token_logprobs
-from checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from rollout import generate, sampling_path, token_logprobs
 from run_io import RunWriter, current_memory_gb, load_policy, peak_memory_gb
 from tasks import Problem, TaskError, encode_prompts, fit_context, load_task
+
+
+def autocast(cfg: Config, device):
+    """bfloat16 autocast on CUDA (float32 master weights); a no-op with --dtype float32."""
+    device = torch.device(device)
+    return torch.autocast(device.type, dtype=cfg.autocast_dtype or torch.float32, enabled=cfg.autocast_dtype is not None)
 
 
 class PromptStream:
@@ -123,7 +124,7 @@ def update(cfg: Config, policy, opt, batch: dict, behaviour_logp, ref_logp) -> d
             rows = slice(s, s + mb)
             if mask[rows].sum() == 0 and epoch > 0:
                 continue  # no valid token here: zero loss and zero gradient
-            with torch.autocast(ids.device.type, dtype=cfg.autocast_dtype, enabled=cfg.autocast_dtype is not None):
+            with autocast(cfg, ids.device):
                 logp = token_logprobs(policy, ids[rows], attn[rows], batch["completion_mask"][rows], cfg.temperature)  # (mb, T)
             if epoch == 0:
                 pi_k_logp[rows] = logp.detach()  # pi_theta == pi_k until the first optimizer step
@@ -149,6 +150,13 @@ def update(cfg: Config, policy, opt, batch: dict, behaviour_logp, ref_logp) -> d
     return stats
 
 
+def stop_if_diverged(streak: int, step: int) -> None:
+    """Three non-finite steps in a row end the run; no checkpoint was written during the streak,
+    so the newest one on disk is the last good one."""
+    if streak >= 3:
+        raise ConfigError(f"step {step}: loss or gradient not finite 3 steps in a row; stopping (try a lower --lr)")
+
+
 def train(cfg: Config) -> dict:
     """Run GRPO as configured; returns the summary (also written to --out/summary.json)."""
     validate(cfg)
@@ -171,6 +179,8 @@ def train(cfg: Config) -> dict:
     ref = copy.deepcopy(policy).requires_grad_(False).eval() if cfg.beta > 0 else None  # pi_ref, only with KL
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)  # the sampling generator
+    writer.log(f"sampling path: {sampling_path(sampler or policy)}; sampler: "
+               f"{'a copy refreshed every %d steps' % v if sampler is not None else 'the live policy (v=1)'}")
     stream = PromptStream(train_set, cfg.seed)
 
     start_step, nonfinite_streak, last, wall_before = 0, 0, {}, 0.0
@@ -207,9 +217,16 @@ def train(cfg: Config) -> dict:
         problems = stream.next(cfg.prompts_per_step)  # 2. sample from alpha
         prompt_ids, prompt_mask = encode_prompts(tokenizer, problems, device)
         policy.eval()
-        ro = generate(sampler or policy, prompt_ids, prompt_mask, group_size=cfg.group_size,
-                      max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, generator=gen)
+        try:
+            with autocast(cfg, device):
+                ro = generate(sampler or policy, prompt_ids, prompt_mask, group_size=cfg.group_size,
+                              max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, generator=gen)
+        except FloatingPointError:  # the sampler's logits are not finite: a diverged policy
+            writer.metrics({"step": step, "wall_s": time.time() - t0, "nonfinite_updates": 1, "nonfinite_logits": 1})
+            nonfinite_streak += 1
+            stop_if_diverged(nonfinite_streak, step)
+            continue
         t_sample = time.time() - t_step
 
         t = time.time()  # 3. reward
@@ -223,7 +240,7 @@ def train(cfg: Config) -> dict:
         t = time.time()  # 5. log-probs without grad: alpha on stale steps, pi_ref with KL
         batch = dict(input_ids=ro.input_ids, attention_mask=ro.attention_mask, completion_mask=ro.completion_mask,
                      loss_mask=loss_mask, advantages=adv)
-        with torch.no_grad():
+        with torch.no_grad(), autocast(cfg, device):
             behaviour_logp = None if refresh else token_logprobs(sampler, ro.input_ids, ro.attention_mask, ro.completion_mask, cfg.temperature)
             ref_logp = token_logprobs(ref, ro.input_ids, ro.attention_mask, ro.completion_mask, cfg.temperature) if ref is not None else None
         t_logprob = time.time() - t
@@ -263,8 +280,7 @@ def train(cfg: Config) -> dict:
                         clip=f"{last.get('clip_low', 0) + last.get('clip_high', 0):.3f}",
                         rho=f"{last.get('rho_prime_max', 1):.2f}", tok_s=f"{last['tokens_per_s']:.0f}")
         nonfinite_streak = nonfinite_streak + 1 if st.get("nonfinite_updates") else 0
-        if nonfinite_streak >= 3:  # the last checkpoint (written before the streak) stays intact
-            raise ConfigError(f"step {step}: loss or gradient not finite 3 steps in a row; stopping (try a lower --lr)")
+        stop_if_diverged(nonfinite_streak, step)
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and nonfinite_streak == 0:
             state = {"policy": policy.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state(gen),
                      "step": step + 1, "data_position": stream.position, "eval_accuracy_start": acc_start,

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 import tiny  # noqa: E402
 
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 2)))
 
 
 @pytest.fixture(scope="session")
@@ -31,13 +31,16 @@ def model(tok):
 
 @pytest.fixture(scope="session")
 def warm_cache(tmp_path_factory):
-    """A cache folder holding a briefly warmed-up tiny policy, built once per session."""
-    path = tmp_path_factory.mktemp("cache")
+    """A cache folder holding the warmed-up tiny policy, built once per session.
+
+    GRPO_TEST_CACHE names an existing cache folder to reuse across sessions (local runs).
+    """
+    path = os.environ.get("GRPO_TEST_CACHE") or tmp_path_factory.mktemp("cache")
     tiny.load_tiny(str(path), warmup_steps=TEST_WARMUP, log=lambda m: None)
     return str(path)
 
 
-TEST_WARMUP = 400  # supervised steps for the end-to-end tests' tiny policy
+TEST_WARMUP = 1000  # = the default, so the tests train the policy a newcomer gets (about 65 s, once)
 
 
 def shared_data(*parts) -> Path:

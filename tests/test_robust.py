@@ -1,7 +1,6 @@
 """Failure modes: exact resume after SIGKILL, one-line errors on bad input, non-finite steps."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
