@@ -17,14 +17,16 @@ tokens per second of a step), peak_mem_gb (CUDA: peak allocated; CPU: peak resid
 Where it departs from a training run, so that runs are comparable:
   1. Every completion runs to --max-new-tokens (no early EOS), so each step does the same work.
   2. Prompts are random token ids of length --prompt-len (words of the tokenizer, so that TRL gets
-     the same prompts as text), and rewards are random 0/1 from a seeded generator, so groups have
-     signal and the update runs; the verifier is not run (reward.py's cost is not the model's).
+     the same prompts as text), and rewards are random 0/1 from a seeded generator, with one reward
+     flipped in any group that came out all equal, so every group has signal and the update always
+     runs; the verifier is not run (reward.py's cost is not the model's).
   3. CUDA is synchronised at phase boundaries, so a phase's time is the GPU's, not the launch queue's.
   4. `--model tiny` has random weights (no supervised warm-up: timing does not depend on them).
 
 `--vs-trl` then runs TRL's GRPOTrainer (optional: `pip install trl`) on the same model, in the same
-process, with what can be matched matched: per-device batch N = B*G, num_generations G,
-max_completion_length T and `min_new_tokens` T (so it too generates exactly T tokens), beta,
+process, with what can be matched matched: N = B*G completions per optimizer step (per-device batch
+--micro-batch, gradient accumulation to N), num_generations G, max_completion_length T and
+`min_new_tokens` T (so it too generates exactly T tokens), random 0/1 rewards, beta,
 temperature, learning rate, clip eps, grad-norm clipping, one optimizer step per generation
 (num_iterations 1), no gradient checkpointing (TRL's default is on), bf16 only with --dtype bfloat16
 (TRL's default is on), no eval, no saving, no logging service. What differs: TRL samples with
@@ -40,6 +42,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -68,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", help=f"tiny (random weights), {', '.join(PRESETS)}, a folder or a hub id")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="as train.py: bfloat16 = autocast of the update (float32 weights), auto = bfloat16 on cuda")
+                   help="as train.py: bfloat16 = autocast (float32 weights) of every pass, auto = bfloat16 on cuda")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     # --- the step -----------------------------------------------------------------------------------
     p.add_argument("--prompts", type=int, default=8, help="B, prompts per step")
@@ -81,8 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     p.add_argument("--sampling", default="auto", choices=["auto", "plain", "fast"],
                    help="generate's path: auto (fast on CUDA), plain (the reference loop), fast (static cache)")
-    p.add_argument("--autocast-sampling", action="store_true",
-                   help="also run sampling and the no-grad passes under the --dtype autocast (train.py does not)")
     # --- timing -------------------------------------------------------------------------------------
     p.add_argument("--steps", type=int, default=5, help="timed steps (the median is reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (allocator, kernels, graph capture)")
@@ -122,6 +123,8 @@ def load_model(name: str, device: torch.device, seed: int):
             model = Qwen2ForCausalLM(cfg)
         return model, tok, f"{name} (random weights, {tok_name})"
     tok = AutoTokenizer.from_pretrained(name)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token  # as run_io.load_policy: padding is masked explicitly
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).to(device)
     return model, tok, name
 
@@ -158,8 +161,8 @@ def grpo_step(cfg: Config, args, k: int, policy, sampler, ref, opt, tok, prompts
     """One step of train.py's loop (its steps 1-6); returns each phase's seconds."""
     device = torch.device(cfg.device)
     fast = {"auto": None, "plain": False, "fast": True}[args.sampling]
-    amp = torch.autocast(device.type, dtype=cfg.autocast_dtype,
-                         enabled=args.autocast_sampling and cfg.autocast_dtype is not None)
+    # As train.py: sampling and the no-grad passes under the same autocast as the update.
+    amp = torch.autocast(device.type, dtype=cfg.autocast_dtype or torch.float32, enabled=cfg.autocast_dtype is not None)
     t, times = now(device), {}
     refresh = k % cfg.offpolicy_steps == 0
     if sampler is not None and refresh:
@@ -175,8 +178,11 @@ def grpo_step(cfg: Config, args, k: int, policy, sampler, ref, opt, tok, prompts
     times["sample"], t = now(device) - t, now(device)
 
     tok.batch_decode(ro.completion_ids, skip_special_tokens=True)  # 3. score: the text a verifier would read
-    rewards = torch.randint(0, 2, (ro.completion_ids.shape[0],), generator=reward_gen).float().to(device)  # (N,)
-    adv, valid = group_advantages(rewards, cfg.group_size)  # 4. advantages, (N,) each
+    rewards = torch.randint(0, 2, (ro.completion_ids.shape[0],), generator=reward_gen).float()  # (N,)
+    groups = rewards.view(-1, cfg.group_size)  # (B, G), a view: the flip below writes into rewards
+    same = (groups == groups[:, :1]).all(dim=1)  # (B,) groups without signal would skip the update
+    groups[same, 0] = 1.0 - groups[same, 0]
+    adv, valid = group_advantages(rewards.to(device), cfg.group_size)  # 4. advantages, (N,) each
     loss_mask = ro.completion_mask * valid.unsqueeze(1)  # (N, T)
     times["score"], t = now(device) - t, now(device)
 
@@ -231,7 +237,7 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
 def bench_trl(cfg: Config, args, model_path: str, tok, words) -> dict:
     """Median seconds per step of TRL's GRPOTrainer on the same model and sizes (module docstring)."""
     from datasets import Dataset
-    from transformers import TrainerCallback
+    from transformers import PrinterCallback, TrainerCallback
     import trl
     from trl import GRPOConfig, GRPOTrainer
 
@@ -271,7 +277,11 @@ def bench_trl(cfg: Config, args, model_path: str, tok, words) -> dict:
     timer = StepTimer()
     trainer = GRPOTrainer(model=model_path, reward_funcs=random_reward, args=gcfg,
                           train_dataset=Dataset.from_dict({"prompt": texts}), processing_class=tok, callbacks=[timer])
-    trainer.train()
+    trainer.remove_callback(PrinterCallback)  # its end-of-training metrics line would come after our table
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
     steps = [b - a for a, b in zip(timer.ends, timer.ends[1:])][args.warmup :]  # step k = end(k) - end(k-1)
     lens = [len(x) for x in tok(texts[: cfg.prompts_per_step]).input_ids]
     return {"step_s": statistics.median(steps), "steps": len(steps), "version": trl.__version__,
@@ -302,9 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     model, tok, described = load_model(args.model, device, cfg.seed)
     words = prompt_words(tok)
     model_dir = None
-    if args.vs_trl and trl_ok:  # TRL loads the model by path: save the very weights we start from
-        model_dir = args.model if args.model not in PRESETS and args.model != "tiny" else tempfile.mkdtemp(prefix="bench-model-")
-        if model_dir != args.model:
+    if args.vs_trl and trl_ok:  # TRL loads the model by path: the very weights we start from
+        model_dir = args.model
+        if args.model == "tiny" or args.model in PRESETS:  # built here: saved for TRL first
+            model_dir = tempfile.mkdtemp(prefix="bench-model-")
             model.save_pretrained(model_dir)
             tok.save_pretrained(model_dir)
 
@@ -312,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     ours = bench_ours(cfg, args, model, tok, words)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"bench: {described}, {n_params / 1e6:.1f}M parameters, {cfg.device}, {cfg.dtype}"
-          f"{' (sampling too)' if args.autocast_sampling else ''}, sampling path {ours['sampling_path']}")
+          f", sampling path {ours['sampling_path']}")
     print(f"B={cfg.prompts_per_step} G={cfg.group_size} N={n}, prompt {args.prompt_len} + {cfg.max_new_tokens} new tokens, "
           f"beta {cfg.beta}, v={cfg.offpolicy_steps}, micro-batch {cfg.micro_batch or n}; "
           f"median of {args.steps} steps after {args.warmup} warm-up")
@@ -325,14 +336,18 @@ def main(argv: list[str] | None = None) -> int:
     result = {k: ours[k] for k in ("step_s", "phases", "tokens_per_s", "peak_mem_gb", "sampling_path", "step_s_mean")}
     result.update(model=args.model, device=cfg.device, dtype=cfg.dtype, prompts=cfg.prompts_per_step, group=cfg.group_size,
                   prompt_len=args.prompt_len, max_new_tokens=cfg.max_new_tokens, beta=cfg.beta,
-                  offpolicy_steps=cfg.offpolicy_steps, micro_batch=cfg.micro_batch or n, steps=args.steps,
-                  autocast_sampling=args.autocast_sampling)
+                  offpolicy_steps=cfg.offpolicy_steps, micro_batch=cfg.micro_batch or n, steps=args.steps)
     if model_dir is not None:
+        print(json.dumps(result), flush=True)  # ours, in case TRL does not finish; the full line follows
         del model
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        theirs = bench_trl(cfg, args, model_dir, tok, words)
+        try:
+            theirs = bench_trl(cfg, args, model_dir, tok, words)
+        finally:
+            if model_dir != args.model:
+                shutil.rmtree(model_dir, ignore_errors=True)
         ratio = ours["step_s"] / theirs["step_s"]
         mem = f", peak memory {theirs['peak_mem_gb']:.2f} GB" if theirs["peak_mem_gb"] is not None else ""
         print(f"TRL {theirs['version']} GRPOTrainer: step {theirs['step_s']:.4f} s (median of {theirs['steps']} after "

@@ -6,6 +6,9 @@ the positions and the EOS bookkeeping are all checked here; the CUDA-graph tests
 than multinomial, so sampled tokens differ between the paths for the same seed: sampling is
 checked by the log-probs of the fast path's own tokens under a full forward pass, and the race
 itself against softmax frequencies. Greedy decoding must give identical tokens.
+
+Both paths, and `token_logprobs`, run a group's shared prompt once: checked against row-by-row
+computation (values and gradients) and by counting the tokens that reach the embedding.
 """
 
 import pytest
@@ -64,17 +67,32 @@ def test_greedy_is_identical_on_both_paths(model, tok):
 
 @pytest.fixture(scope="module")
 def ending_model(tok):
-    """A tiny policy after 60 supervised steps (3 s): it answers and then emits EOS, after 2-4 tokens."""
+    """A tiny policy after 60 supervised steps on `question answer <eos>` (3 s): it answers, then ends."""
+    import random
+
     import tiny
+    from tasks import arithmetic_problems
 
     model = tiny.build_model(tok, seed=0)
-    tiny.warm_up(model, tok, 60, batch_size=32, lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rng, train = random.Random(0), arithmetic_problems()[0]
+    for _ in range(60):
+        seqs = [tok(p.question + p.gold).input_ids + [tok.eos_token_id] for p in rng.sample(train, 32)]
+        width = max(map(len, seqs))
+        ids = torch.tensor([[tok.pad_token_id] * (width - len(s)) + s for s in seqs])  # (32, L) left-padded
+        mask = (ids != tok.pad_token_id).long()  # (32, L)
+        loss = model(input_ids=ids, attention_mask=mask, position_ids=rollout.position_ids_from_mask(mask),
+                     labels=ids.masked_fill(mask == 0, -100)).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
     return model.eval()
 
 
-@pytest.mark.parametrize("max_new_tokens", [3, 8])
+@pytest.mark.parametrize("max_new_tokens", [2, 8])
 def test_eos_bookkeeping_matches_the_plain_loop(ending_model, tok, max_new_tokens):
-    # 3: some rows end, some are truncated; 8: every row ends, so both paths stop early at the same T.
+    # 2: rows with a one-digit answer end, the others are truncated; 8: every row ends (after 2 or 3
+    # tokens), so both paths stop early, at the same T.
     from tasks import arithmetic_problems
 
     ids, mask = encode_prompts(tok, arithmetic_problems()[1][:24], "cpu")
@@ -83,10 +101,10 @@ def test_eos_bookkeeping_matches_the_plain_loop(ending_model, tok, max_new_token
     fast = generate(ending_model, ids, mask, fast=True, **kw)
     assert_same_rollout(plain, fast)
     lengths = fast.completion_mask.sum(1)
-    assert len(set(lengths.tolist())) > 1  # rows end at different steps
-    if max_new_tokens == 3:
+    if max_new_tokens == 2:
         assert fast.truncated.any() and not fast.truncated.all()
     else:
+        assert len(set(lengths.tolist())) > 1  # rows end at different steps
         assert not fast.truncated.any() and fast.completion_ids.shape[1] == int(lengths.max()) < max_new_tokens
 
 
@@ -160,6 +178,82 @@ def test_sampling_path_names(model, tok):
     assert sampling_path(lm) == "plain"
     with pytest.raises(ValueError):
         sampling_path(lm, fast=True)
+
+
+def test_one_token_prompts(model, tok):
+    # P = 1: the prefill is then one column wide, like a decode step, and must still be a prefill.
+    ids, mask = torch.tensor([[5], [7]]), torch.ones(2, 1, dtype=torch.long)
+    kw = kwargs(tok, group_size=2, max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    assert_same_rollout(generate(model, ids, mask, fast=False, **kw), generate(model, ids, mask, fast=True, **kw))
+
+
+def test_shared_prompt_logprobs_and_gradients_equal_row_by_row(model, tok):
+    # token_logprobs runs a group's prompt once; row by row nothing can be shared: an independent reference.
+    ids, mask = prompts(tok)
+    ro = generate(model, ids, mask, fast=False, generator=torch.Generator().manual_seed(0),
+                  **kwargs(tok, group_size=4, max_new_tokens=6, temperature=1.0))
+    w = torch.randn(ro.completion_mask.shape, generator=torch.Generator().manual_seed(1))  # (N, T)
+    batched = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 0.8)
+    (batched * w).sum().backward()
+    shared_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    for i in range(ro.input_ids.shape[0]):
+        one = token_logprobs(model, ro.input_ids[i : i + 1], ro.attention_mask[i : i + 1], ro.completion_mask[i : i + 1], 0.8)
+        assert torch.allclose(one, batched[i : i + 1], atol=1e-5)
+        (one * w[i : i + 1]).sum().backward()
+    for g, p in zip(shared_grads, model.parameters()):
+        assert torch.allclose(g, p.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_prompts_run_once_per_group(model, tok):
+    # Count the tokens that reach the embedding: B*P for the prompts, not N*P.
+    seen = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].numel()))
+    ids, mask = prompts(tok)
+    b, p, g, t = ids.shape[0], ids.shape[1], 4, 5
+    kw = kwargs(tok, group_size=g, max_new_tokens=t, temperature=1.0, ignore_eos=True)
+    for fast in (False, True):
+        seen.clear()
+        ro = generate(model, ids, mask, fast=fast, generator=torch.Generator().manual_seed(0), **kw)
+        assert seen == [b * p] + [b * g] * (t - 1)  # the prefill once per prompt, then one token per row
+    seen.clear()
+    token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)
+    assert seen == [b * p, b * g * t]
+    hook.remove()
+
+
+def test_auto_falls_back_to_plain_when_the_static_cache_fails(model, tok, monkeypatch):
+    # fast=None on a model the static cache turns out not to fit (a transformers version whose
+    # attention calls the cache differently, say): one warning, the plain result, plain from then on.
+    monkeypatch.setattr(rollout, "sampling_path", lambda m, fast=None: "plain" if fast is False else "static-cache")
+
+    def broken(self, *a, **kw):
+        raise TypeError("update() got an unexpected keyword argument")
+
+    monkeypatch.setattr(rollout._StaticDecoder, "prefill", broken)
+    ids, mask = prompts(tok)
+    kw = kwargs(tok, group_size=2, max_new_tokens=5, temperature=0.0)
+    with pytest.warns(UserWarning, match="static-cache path failed"):
+        ro = generate(model, ids, mask, **kw)
+    assert_same_rollout(ro, generate(model, ids, mask, fast=False, **kw))
+    assert model in rollout._NO_FAST  # sampling_path(model) stays "plain" on CUDA too
+    with pytest.raises(TypeError):  # asked for explicitly, the failure is the caller's to see
+        generate(model, ids, mask, fast=True, **kw)
+
+
+def test_a_diverged_policy_is_not_taken_for_a_path_failure(tok, monkeypatch):
+    # Non-finite logits raise FloatingPointError (train.py counts the step as non-finite) on either
+    # path; auto mode must pass it on, not switch the model to the plain path for good.
+    import tiny
+
+    model = tiny.build_model(tok, seed=0).eval()
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float("nan"))
+    monkeypatch.setattr(rollout, "sampling_path", lambda m, fast=None: "plain" if fast is False else "static-cache")
+    ids, mask = prompts(tok)
+    with pytest.raises(FloatingPointError):
+        generate(model, ids, mask, **kwargs(tok, group_size=2, max_new_tokens=3, temperature=1.0))
+    assert model not in rollout._NO_FAST
 
 
 # --- CUDA: the captured graph ---------------------------------------------------------------------

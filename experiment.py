@@ -1,0 +1,272 @@
+"""The on/off-policy experiment on the built-in arithmetic task: one command, many `train.train` runs.
+
+    python experiment.py            # the full sweep: 9 configs x 3 seeds x 2 learning rates (~1 h on 2 CPU cores)
+    python experiment.py --quick    # 4 configs x 2 seeds x 1 learning rate, 60 steps (minutes)
+
+What the two papers claim, and what this sweep can show about it:
+  [A] Mroueh et al. 2025: off-policy GRPO, whose sampler alpha is refreshed from the policy only every
+      v steps and whose clip interval is centred at rho' = pi_k / alpha, matches or beats on-policy
+      GRPO (v=1) at the same number of steps; masking zero-std groups out of the loss matters.
+  [B] Yao et al. 2025: group-relative REINFORCE is off-policy by nature; importance weights are not what
+      makes it work off-policy. What matters is to regularise the update (clip masks, a proximal term)
+      and to shape the data. REC (one-sided clip mask, no importance weight) and OPMD (a quadratic
+      pull towards alpha) should therefore hold up at v>1 as well as the clipped surrogate does.
+
+Configs (all others at Config's defaults; every run shares the warmed-up tiny policy in --cache-dir):
+  v1, v2, v4, v8       [A]'s surrogate at growing staleness v (v1 = on-policy: rho = 1 at the gradient,
+                       so the step is exactly group-baseline REINFORCE).
+  v1-inner4            the other road off-policy: 4 optimizer steps on each batch (sample reuse, [A]'s i).
+  v4-behaviour-centre  v=4 with the PPO/TRL clip interval [1-eps, 1+eps] instead of [A]'s rho'-centred one.
+  v1-no-mask           [A]'s zero-std masking switched off: all-equal groups stay in the normaliser.
+  rec-v4, opmd-v4      [B]'s REC and OPMD losses at v=4.
+
+Outputs (--out-dir): offpolicy.csv (one row per run and eval point, with the start and the final point),
+offpolicy_table.md (final accuracy per config and lr, mean +- std over seeds), offpolicy.png
+(needs the `plot` extra, matplotlib). Each run keeps its own folder under --runs-dir; a run whose
+summary.json exists with the same config is reused, so an interrupted sweep continues (--fresh: rerun all).
+
+Caveats, so nobody over-reads the numbers:
+  1. On this single CPU process, v>1 costs *more* wall-clock than v=1 (a sampler copy and a behaviour
+     log-prob pass on stale steps). [A]'s speed argument is about distributed set-ups where syncing the
+     sampler's weights is expensive; here the wall-clock panels show only the extra compute.
+  2. wall_s includes the held-out evaluations (train.py starts its clock before the start eval).
+  3. With the default warm-up the tiny policy is still undertrained, so part of any gain is what more
+     low-learning-rate training of any kind would give (README, "What the numbers mean"); compare
+     configs with each other, not with zero.
+"""
+
+import argparse
+import contextlib
+import csv
+import io
+import json
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+from config import Config, ConfigError, resolve
+
+# name -> the Config fields it changes. Ordered as the plots and the table list them.
+CONFIGS = {
+    "v1": dict(offpolicy_steps=1),
+    "v2": dict(offpolicy_steps=2),
+    "v4": dict(offpolicy_steps=4),
+    "v8": dict(offpolicy_steps=8),
+    "v1-inner4": dict(offpolicy_steps=1, inner_steps=4),
+    "v4-behaviour-centre": dict(offpolicy_steps=4, clip_center="behaviour"),
+    "v1-no-mask": dict(offpolicy_steps=1, mask_zero_std=False),
+    "rec-v4": dict(offpolicy_steps=4, loss="rec"),
+    "opmd-v4": dict(offpolicy_steps=4, loss="opmd"),
+}
+CONFIG_COLUMNS = ["offpolicy_steps", "inner_steps", "clip_center", "loss", "mask_zero_std", "lr"]
+CSV_COLUMNS = ["config", *CONFIG_COLUMNS, "seed", "step", "wall_s", "eval_accuracy", "reward"]
+
+# Defaults of the full sweep and of --quick; a flag given explicitly wins over both.
+# Full: 54 runs x 250 steps at ~0.15-0.2 s a step plus evals is about 45-55 min on 2 CPU cores.
+FULL = dict(configs=list(CONFIGS), seeds=[0, 1, 2], lrs=[5e-5, 1e-4], steps=250, eval_every=50,
+            eval_size=500, out_dir="results", runs_dir="runs/experiment")
+QUICK = dict(configs=["v1", "v4", "rec-v4", "opmd-v4"], seeds=[0, 1], lrs=[5e-5], steps=60, eval_every=20,
+             eval_size=200, out_dir="results/quick", runs_dir="runs/experiment-quick")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    # --- the sweep --------------------------------------------------------------------------
+    p.add_argument("--quick", action="store_true", help=f"a few-minute variant: {QUICK}")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), help=f"subset of configs (default: all {len(CONFIGS)})")
+    p.add_argument("--seeds", nargs="+", type=int, help="seeds per config and lr (default 0 1 2)")
+    p.add_argument("--lrs", nargs="+", type=float, help="learning rates (default 5e-5 1e-4; 1e-4 is aggressive here)")
+    # --- each run ----------------------------------------------------------------------------
+    p.add_argument("--steps", type=int, help="training steps per run, the same budget for every config (default 250)")
+    p.add_argument("--eval-every", type=int, help="held-out accuracy every this many steps (default 50)")
+    p.add_argument("--eval-size", type=int, help="held-out problems per evaluation (default 500)")
+    p.add_argument("--warmup-steps", type=int, default=Config.warmup_steps, help="supervised warm-up of the tiny policy (cached)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 keeps shared cores from thrashing)")
+    p.add_argument("--cache-dir", default=Config.cache_dir, help="where the warmed-up tiny policy is cached, shared by all runs")
+    # --- output ------------------------------------------------------------------------------
+    p.add_argument("--out-dir", help="where offpolicy.csv/.png and offpolicy_table.md go (default results, quick: results/quick)")
+    p.add_argument("--runs-dir", help="per-run folders (default runs/experiment, quick: runs/experiment-quick)")
+    p.add_argument("--fresh", action="store_true", help="rerun every run, even one whose summary.json exists")
+    return p
+
+
+def settings(argv: list[str] | None) -> argparse.Namespace:
+    """Parsed flags with the full-sweep or --quick defaults filled in where a flag was not given."""
+    args = build_parser().parse_args(argv)
+    for key, default in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, default)
+    return args
+
+
+def run_config(args, name: str, lr: float, seed: int) -> Config:
+    out = Path(args.runs_dir) / f"{name}-lr{lr:g}-s{seed}"
+    return resolve(Config(**CONFIGS[name], lr=lr, seed=seed, steps=args.steps, eval_every=args.eval_every,
+                          eval_size=args.eval_size, warmup_steps=args.warmup_steps, cache_dir=args.cache_dir,
+                          out=str(out), progress=False))
+
+
+def finished(cfg: Config) -> bool:
+    """True when cfg.out holds a completed run of exactly this config (so it can be reused)."""
+    out = Path(cfg.out)
+    if not (out / "summary.json").is_file() or not (out / "config.json").is_file():
+        return False
+    saved = json.loads((out / "config.json").read_text())
+    ignore = {"progress", "resume"}  # do not change the result
+    return all(saved.get(f.name) == getattr(cfg, f.name) for f in fields(Config) if f.name not in ignore)
+
+
+def run_rows(name: str, cfg: Config) -> list[dict]:
+    """The CSV rows of one finished run: start (step 0), every intermediate eval, final (step = steps).
+
+    `step` counts completed steps; `reward` is the mean training reward over the steps since the
+    previous eval point (blank at step 0, where no training has happened).
+    """
+    out = Path(cfg.out)
+    summary = json.loads((out / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    base = {"config": name, **{c: getattr(cfg, c) for c in CONFIG_COLUMNS}, "seed": cfg.seed}
+    rows = [{**base, "step": 0, "wall_s": 0.0, "eval_accuracy": summary["eval_accuracy_start"], "reward": ""}]
+    rewards = []
+    for m in metrics:
+        if "reward" in m:  # a step whose sampler produced non-finite logits logs no reward
+            rewards.append(m["reward"])
+        if "eval_accuracy" in m:  # logged after step m["step"], i.e. after m["step"] + 1 completed steps
+            rows.append({**base, "step": m["step"] + 1, "wall_s": m["wall_s"], "eval_accuracy": m["eval_accuracy"],
+                         "reward": statistics.fmean(rewards)})
+            rewards = []
+    rows.append({**base, "step": summary["steps"], "wall_s": summary["wall_s"], "eval_accuracy": summary["eval_accuracy_end"],
+                 "reward": statistics.fmean(rewards) if rewards else ""})
+    return rows
+
+
+def sweep(args) -> tuple[list[dict], list[str]]:
+    """Run (or reuse) every config x lr x seed; returns all CSV rows and the runs that failed."""
+    import torch
+    import transformers
+
+    import train  # torch and transformers load here, not at import of this module
+
+    # One thread: as fast as two for this ~1M-parameter model (measured here, ~0.15 s a step either
+    # way), and it does not thrash when another process shares the 2 cores (2 threads did: 2-6 s a step).
+    torch.set_num_threads(args.threads)
+    transformers.utils.logging.disable_progress_bar()  # no weight-loading bars between the run lines
+    jobs = [(n, lr, s) for lr in args.lrs for n in args.configs for s in args.seeds]
+    rows, failed = [], []
+    for i, (name, lr, seed) in enumerate(jobs, 1):
+        cfg = run_config(args, name, lr, seed)
+        tag = f"[{i:>2}/{len(jobs)}] {name:<20} lr={lr:<7g} seed={seed}"
+        reused = not args.fresh and finished(cfg)
+        if not reused:
+            # A half-written folder must go: train.py appends to an existing metrics.jsonl.
+            shutil.rmtree(cfg.out, ignore_errors=True)
+            log = io.StringIO()  # train's own messages; shown only if the run fails
+            try:
+                with contextlib.redirect_stdout(log):
+                    train.train(cfg)
+            except ConfigError as e:  # e.g. a diverged run at an aggressive lr: report it, go on
+                print(f"{tag}  FAILED: {e}\n{log.getvalue().rstrip()}", flush=True)
+                failed.append(f"{name} lr={lr:g} seed={seed}: {e}")
+                continue
+        r = run_rows(name, cfg)
+        rows += r
+        print(f"{tag}  held-out acc {r[0]['eval_accuracy']:.3f} -> {r[-1]['eval_accuracy']:.3f} "
+              f"({r[-1]['eval_accuracy'] - r[0]['eval_accuracy']:+.3f})  {r[-1]['wall_s']:6.1f} s"
+              + ("  (existing run)" if reused else ""), flush=True)
+    return rows, failed
+
+
+def summary_table(rows: list[dict], args) -> str:
+    """Markdown table: per config and lr, final accuracy mean +- std over seeds, gain, wall time."""
+    lines = ["| config | lr | seeds | final accuracy (mean ± std) | gain over start | wall s (mean) |",
+             "|---|---|---:|---:|---:|---:|"]
+    for lr in args.lrs:
+        for name in args.configs:
+            runs = [r for r in rows if r["config"] == name and r["lr"] == lr]
+            starts = [r["eval_accuracy"] for r in runs if r["step"] == 0]
+            ends = [r["eval_accuracy"] for r in runs if r["step"] == args.steps]
+            if not ends:
+                continue
+            walls = [r["wall_s"] for r in runs if r["step"] == args.steps]
+            sd = statistics.stdev(ends) if len(ends) > 1 else 0.0  # sample std over seeds
+            gain = statistics.fmean(e - s for e, s in zip(ends, starts))
+            lines.append(f"| {name} | {lr:g} | {len(ends)} | {statistics.fmean(ends):.3f} ± {sd:.3f} | "
+                         f"{gain:+.3f} | {statistics.fmean(walls):.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], args, path: Path) -> bool:
+    """Held-out accuracy vs step and vs wall-clock, one row of panels per lr: seed mean and min-max band."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib not installed (pip install -e '.[plot]'): no plot")
+        return False
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    colours = plt.get_cmap("tab10")
+    fig, axes = plt.subplots(len(args.lrs), 2, figsize=(13, 4.2 * len(args.lrs)), squeeze=False, sharey=True)
+    for row, lr in enumerate(args.lrs):
+        for name in args.configs:
+            runs = [r for r in rows if r["config"] == name and r["lr"] == lr]
+            if not runs:
+                continue
+            steps = sorted({r["step"] for r in runs})
+            # Seeds share eval steps; on the wall-clock axis each point sits at the seeds' mean time.
+            at = {s: [r for r in runs if r["step"] == s] for s in steps}
+            acc = [[r["eval_accuracy"] for r in at[s]] for s in steps]
+            mean = [statistics.fmean(a) for a in acc]
+            lo, hi = [min(a) for a in acc], [max(a) for a in acc]
+            wall = [statistics.fmean(r["wall_s"] for r in at[s]) for s in steps]
+            # Colour by position in CONFIGS, so a config keeps its colour in any subset (--configs, --quick).
+            style = dict(color=colours(list(CONFIGS).index(name) % 10), linestyle="-" if name.startswith("v") else "--")
+            for col, x in enumerate((steps, wall)):  # the same points against steps, then seconds
+                ax = axes[row][col]
+                ax.plot(x, mean, marker="o", markersize=3, label=name, **style)
+                ax.fill_between(x, lo, hi, color=style["color"], alpha=0.12, linewidth=0)
+        for col, xlabel in enumerate(("training step", "wall-clock (s, incl. evals)")):
+            ax = axes[row][col]
+            ax.set_xlabel(xlabel)
+            ax.set_title(f"held-out accuracy vs {xlabel.split(' (')[0]}, lr = {lr:g}")
+            ax.grid(alpha=0.3)
+        axes[row][0].set_ylabel("held-out greedy accuracy")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=9, title="config\n(line: seed mean,\nband: min-max)", title_fontsize=9)
+    n_seeds = len(args.seeds)
+    fig.suptitle(f"On- vs off-policy GRPO and [B]'s REINFORCE family, built-in arithmetic task "
+                 f"({n_seeds} seeds, {args.steps} steps, {args.eval_size} held-out problems)")
+    fig.tight_layout(rect=(0, 0, 0.87, 1))  # the right margin holds the legend
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = settings(argv)
+    if args.steps < 1 or args.eval_every < 0 or args.eval_size < 1 or not args.seeds or not args.lrs:
+        print("error: --steps and --eval-size must be >= 1, --eval-every >= 0, and --seeds/--lrs non-empty", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    rows, failed = sweep(args)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "offpolicy.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w.writeheader()
+        w.writerows({k: round(v, 6) if isinstance(v, float) and k != "lr" else v for k, v in r.items()} for r in rows)
+    table = summary_table(rows, args)
+    if failed:
+        table += "\nFailed runs (left out above):\n" + "".join(f"- {f}\n" for f in failed)
+    (out / "offpolicy_table.md").write_text(table)
+    (out / "offpolicy.png").unlink(missing_ok=True)  # never leave a stale plot beside a new CSV
+    png = ", offpolicy.png" if plot(rows, args, out / "offpolicy.png") else ""
+    print(f"\n{table}\nwrote {out}/offpolicy.csv, offpolicy_table.md{png} in {time.time() - t0:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""bench.py end to end: a tiny CPU run as a subprocess, its last line a JSON object."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# v=2 and beta > 0, two timed steps: one stale step (behaviour pass) and one refresh step
+# (load_state_dict), so every phase has work in it.
+TINY = ["--model", "tiny", "--device", "cpu", "--prompts", "2", "--group", "2", "--prompt-len", "6",
+        "--max-new-tokens", "4", "--steps", "2", "--warmup", "1", "--beta", "0.04", "--offpolicy-steps", "2",
+        "--threads", "1"]
+
+
+def run_bench(*extra, pythonpath=None):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, str(ROOT / "bench.py"), *TINY, *extra], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()
+
+
+def test_last_line_is_json_with_positive_timings():
+    lines = run_bench()
+    res = json.loads(lines[-1])
+    for key in ("step_s", "tokens_per_s", "peak_mem_gb"):
+        assert isinstance(res[key], float) and res[key] > 0, key
+    assert set(res["phases"]) == {"refresh", "sample", "score", "logprob", "update"}
+    assert all(v > 0 for v in res["phases"].values()), res["phases"]
+    # Two timed steps: each median is a mean, so the phases add up to (a little under) the step.
+    assert 0.5 * res["step_s"] <= sum(res["phases"].values()) <= 1.01 * res["step_s"]
+    assert res["tokens_per_s"] == 2 * 2 * 4 / res["step_s"]  # N * T completion tokens per step
+    assert res["sampling_path"] == "plain" and res["micro_batch"] == 4
+    assert any(line.startswith("update") for line in lines)  # the table came first
+
+
+def test_vs_trl_without_trl_says_so_in_one_line(tmp_path):
+    # A `trl` package that cannot be imported stands in for a machine without TRL.
+    (tmp_path / "trl").mkdir()
+    (tmp_path / "trl" / "__init__.py").write_text("raise ImportError('no trl here')\n")
+    lines = run_bench("--vs-trl", pythonpath=tmp_path)
+    assert sum("TRL is not installed" in line for line in lines) == 1
+    res = json.loads(lines[-1])
+    assert res["step_s"] > 0 and "trl_step_s" not in res
