@@ -97,7 +97,8 @@ class RunWriter:
         self.out = Path(cfg.out)
         self.out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.out / "config.json", json.dumps(asdict(cfg), indent=2) + "\n")
-        self._metrics = open(self.out / "metrics.jsonl", "a")
+        # A fresh run starts a fresh log; a resumed one appends (after truncate_metrics).
+        self._metrics = open(self.out / "metrics.jsonl", "a" if cfg.resume else "w")
 
     def log(self, msg: str) -> None:
         from tqdm import tqdm
