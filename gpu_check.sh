@@ -12,9 +12,10 @@
 #   PYTHON=.venv/bin/python ...            # another interpreter (default python3)
 #
 # The GPU machine has torch and transformers but not trl/datasets: wheels in .whl/ (an ignored folder,
-# carried along) are installed first, e.g. prepared here with
-#   pip download -d .whl --no-deps trl accelerate datasets dill multiprocess xxhash pyarrow
-# for the GPU machine's Python. Without an importable trl the comparison is skipped, with a message.
+# carried along; the first lines of the log name the machine's Python) are installed first, e.g.
+#   pip download -d .whl --no-deps --only-binary=:all: --python-version 3.11 --platform manylinux_2_28_x86_64 \
+#     --platform manylinux2014_x86_64 trl accelerate datasets dill multiprocess xxhash pyarrow pandas psutil
+# (about 60 MB: pyarrow is most of it). Without an importable trl the comparison is skipped, with a message.
 set -euo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 cd "$(dirname "$0")"
