@@ -116,7 +116,7 @@ def update(cfg: Config, policy, opt, batch: dict, behaviour_logp, ref_logp) -> d
     mb = cfg.micro_batch or n
     total = aggregation_total(mask, cfg.agg, cfg.max_new_tokens)
     pi_k_logp = torch.zeros_like(mask, dtype=torch.float32)  # (N, T) log pi_k, filled in epoch 0
-    sums, tokens, rho_max, grad_norms, skipped = {}, 0.0, 1.0, [], 0
+    sums, tokens, rho_max, grad_norms, skipped, loss_sum = {}, 0.0, 1.0, [], 0, 0.0
     policy.train()
     for epoch in range(cfg.inner_steps):
         opt.zero_grad(set_to_none=True)
@@ -137,7 +137,7 @@ def update(cfg: Config, policy, opt, batch: dict, behaviour_logp, ref_logp) -> d
             rho_max = max(rho_max, st.pop("rho_prime_max", 1.0))
             for key, v in st.items():
                 sums[key] = sums.get(key, 0.0) + v * w
-            sums["loss"] = sums.get("loss", 0.0) + loss.item() * max(w, 1)
+            loss_sum += loss.item()  # micro-batch losses add up to the step's loss
         norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
         if torch.isfinite(norm):
             opt.step()
@@ -145,7 +145,8 @@ def update(cfg: Config, policy, opt, batch: dict, behaviour_logp, ref_logp) -> d
             skipped += 1  # non-finite gradient: no optimizer step
         grad_norms.append(norm.item())
     stats = {k: v / max(tokens, 1.0) for k, v in sums.items()}
-    stats.update(rho_prime_max=rho_max, grad_norm=sum(grad_norms) / len(grad_norms), nonfinite_updates=skipped)
+    stats.update(loss=loss_sum / cfg.inner_steps, rho_prime_max=rho_max, grad_norm=sum(grad_norms) / len(grad_norms),
+                 nonfinite_updates=skipped)
     stats["_pi_k_logp"] = pi_k_logp
     return stats
 
