@@ -255,6 +255,7 @@ def train(cfg: Config) -> dict:
 
         pi_k_logp = st.pop("_pi_k_logp", None)
         alpha_logp = pi_k_logp if behaviour_logp is None else behaviour_logp
+        groups = rewards.view(-1, cfg.group_size)  # (B, G)
         cm = ro.completion_mask.float()
         n_tok = cm.sum().item()
         wall = time.time() - t_step
@@ -263,7 +264,7 @@ def train(cfg: Config) -> dict:
             "wall_s": time.time() - t0,
             "reward": rewards.mean().item(),
             "accuracy": (rewards == 1.0).float().mean().item(),
-            "zero_std_frac": 1.0 - valid.float().view(-1, cfg.group_size)[:, 0].mean().item() if cfg.red != "drop" else 1.0 - valid.float().mean().item(),
+            "zero_std_frac": (groups.amax(1) == groups.amin(1)).float().mean().item(),  # groups with equal rewards
             "completion_len": cm.sum(1).mean().item(),
             "truncated_frac": ro.truncated.float().mean().item(),
             "entropy": (ro.entropy * cm).sum().item() / max(n_tok, 1),
