@@ -19,21 +19,30 @@ Deviations from common practice:
      row chunks, keeps only each row's log-sum-exp, and recomputes the chunk in backward.
   2. The sampler is our own loop rather than `model.generate`, so that it takes a generator,
      returns the sampled tokens' log-probs and entropies, and treats EOS uniformly.
-  3. On CUDA, `generate` takes a fast path (gpt-fast's technique): a static KV cache written in
-     place, and the decode step captured once in a CUDA graph and replayed, so a step costs no
-     Python per layer; it samples by the exponential race (exact, and no cumulative sum over V).
+  3. On CUDA, `generate` takes a fast path (gpt-fast's technique, in decoding.py): a static KV cache
+     written in place, and the decode step captured once in a CUDA graph and replayed, so a step costs
+     no Python per layer; it samples by the exponential race (exact, and no cumulative sum over V).
      The plain loop stays the CPU path and the reference; tests/test_fastpath.py checks they agree.
   4. A group's G rows share their prompt: sampling and `token_logprobs` run it once per group.
 """
 
-import inspect
 import warnings
-import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache
+
+from decoding import (
+    _DECODERS,
+    _NO_FAST,
+    _cache_kwarg,
+    _DynamicDecoder,
+    _static_decoder,
+    position_ids_from_mask,
+    sample_exponential_race,
+    sampling_path,
+)
 
 
 @dataclass
@@ -55,21 +64,6 @@ class Rollout:
     @property
     def attention_mask(self) -> torch.Tensor:
         return torch.cat([self.prompt_mask, self.completion_mask], dim=1)  # (N, P+T)
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding: the first real token is at position 0."""
-    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)  # (N, L)
-
-
-def _cache_kwarg(model) -> str:
-    """transformers renamed `past_key_values` to `cache` in 5.2x; accept both."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _last_logits_only(model) -> dict:
-    """Ask for the last position's logits only: the prefill would otherwise build (N, P, V) ones."""
-    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 @torch.no_grad()
@@ -125,6 +119,8 @@ def generate(
         if t > 0:
             last = dec.decode(model, tokens[-1])  # (N, V)
         logits = last.float()  # (N, V) only the last position is needed
+        if plain and t > 0 and not torch.isfinite(logits).all():  # multinomial would fail on NaN with a
+            raise FloatingPointError("generate: the sampler's logits are not finite")  # bare RuntimeError
         if temperature > 0:
             logp_all = torch.log_softmax(logits / temperature, dim=-1)  # (N, V)
             probs = logp_all.exp()  # (N, V)
@@ -145,148 +141,13 @@ def generate(
                 break
 
     t = int(lengths.max())  # the step at which the last row ended (the fast path may have gone on)
+    logps, ents = torch.stack(logps, dim=1)[:, :t], torch.stack(ents, dim=1)[:, :t]  # (N, T) each
+    if not (torch.isfinite(logps).all() and torch.isfinite(ents).all()):  # the fast path's race picks a token
+        raise FloatingPointError("generate: the sampler's logits are not finite")  # even from NaN logits
     completion_mask = (torch.arange(t, device=device).unsqueeze(0) < lengths.unsqueeze(1)).long()  # (N, T)
     return Rollout(prompt_ids=ids, prompt_mask=mask, completion_ids=torch.stack(tokens, dim=1)[:, :t],
-                   completion_mask=completion_mask, sampler_logp=torch.stack(logps, dim=1)[:, :t],
-                   entropy=torch.stack(ents, dim=1)[:, :t], truncated=alive)
-
-
-class _DynamicDecoder:
-    """The plain path and the reference: transformers' DynamicCache, one column longer each step."""
-
-    def prefill(self, model, ids: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Run the B prompts (B, P) once, then give each of the N rows its prompt's cache; logits (N, V)."""
-        pos = position_ids_from_mask(mask)  # (B, P)
-        self.cache = {_cache_kwarg(model): DynamicCache(), **_last_logits_only(model)}  # filled in place
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **self.cache)
-        self.cache[_cache_kwarg(model)].batch_select_indices(rows)  # (B, ...) -> (N, ...)
-        self.attn, self.pos = mask[rows], pos[rows, -1:]  # (N, P), (N, 1)
-        return out.logits[rows, -1, :]  # (N, V)
-
-    def decode(self, model, token: torch.Tensor) -> torch.Tensor:
-        self.attn = torch.cat([self.attn, torch.ones_like(token[:, None])], dim=1)  # (N, P+t+1)
-        self.pos = self.pos + 1  # (N, 1)
-        out = model(input_ids=token[:, None], attention_mask=self.attn, position_ids=self.pos, use_cache=True, **self.cache)
-        return out.logits[:, -1, :]  # (N, V)
-
-
-# --- the fast path (CUDA): a static KV cache, the decode step replayed as a CUDA graph ------------
-
-
-def sampling_path(model, fast: bool | None = None) -> str:
-    """How `generate(model, ..., fast=fast)` samples: "plain", "static-cache" or "static-cache+cuda-graph"."""
-    cfg = getattr(model, "config", None)  # our masks are sdpa's (True = visible), for full-attention layers
-    ok = isinstance(model, PreTrainedModel) and cfg._attn_implementation == "sdpa" and \
-        set(getattr(cfg, "layer_types", None) or ["?"]) == {"full_attention"}
-    on_cuda = next(model.parameters()).device.type == "cuda"
-    if fast is False or (fast is None and not (ok and on_cuda and model not in _NO_FAST)):
-        return "plain"
-    if not ok:
-        raise ValueError("generate(fast=True) needs a transformers model with sdpa attention and full-attention layers")
-    return "static-cache+cuda-graph" if on_cuda else "static-cache"
-
-
-def sample_exponential_race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Row-wise index i with probability p_i: argmax_i p_i / E_i, E_i ~ Exp(1) (Gumbel-max, as in gpt-fast).
-    E = -log U with U ~ U[0, 1) is never 0 (U = 0 gives E = inf: that token loses), so none wins by a zero divisor."""
-    exp = -torch.rand(probs.shape, generator=generator, device=probs.device, dtype=probs.dtype).log()  # (N, V) E_i
-    return (probs / exp).argmax(dim=-1)  # (N,)
-
-
-class _StaticDecoder:
-    """A static KV cache, (N, H_kv, L, D) per layer, and the decode step's inputs, each a fixed tensor
-    updated in place (a step writes cache column `write`): on CUDA the step is captured once as a graph."""
-
-    def __init__(self, model, n: int, length: int, device):
-        self.n, self.length, self.keys, self.values, self.rows = n, length, {}, {}, None  # rows: set while prefilling
-        self.write = torch.zeros(1, dtype=torch.long, device=device)  # (1,) cache column of the next token
-        self.ids, self.pos = torch.zeros(2, n, 1, dtype=torch.long, device=device)  # (N, 1) the token fed next, its position
-        self.mask = torch.zeros(n, 1, 1, length, dtype=torch.bool, device=device)  # (N, 1, 1, L) visible columns
-        self.graph, self.logits = None, None  # on CUDA: the captured decode step and its output
-        self.kw = {_cache_kwarg(model): self, **_last_logits_only(model)}
-        if "cache_position" in inspect.signature(model.forward).parameters:  # transformers < 5.2x would ask the
-            self.kw["cache_position"] = self.write  # cache for it otherwise; only caches read it, and ours does not
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # (N, H_kv, t, D) in, L columns out
-        if layer_idx not in self.keys:  # allocated by the prefill, before any graph capture
-            shape = (self.n, key_states.shape[1], self.length, key_states.shape[3])
-            self.keys[layer_idx], self.values[layer_idx] = key_states.new_zeros(shape), value_states.new_zeros(shape)
-        k, v = self.keys[layer_idx], self.values[layer_idx]  # (N, H_kv, L, D)
-        if self.rows is None:  # a decode step: one column
-            k.index_copy_(2, self.write, key_states)
-            v.index_copy_(2, self.write, value_states)
-            return k, v
-        # The prefill of the B prompts: each row's cache gets its prompt's; the prompts attend to themselves.
-        k[:, :, : key_states.shape[2]], v[:, :, : key_states.shape[2]] = key_states[self.rows], value_states[self.rows]
-        return key_states, value_states
-
-    def _forward(self, model, ids=None, pos=None, mask=None) -> torch.Tensor:
-        if ids is None:  # the decode step, on the static inputs
-            ids, pos, mask = self.ids, self.pos, self.mask
-        out = model(input_ids=ids, attention_mask={"full_attention": mask}, position_ids=pos, use_cache=True,
-                    **self.kw)  # transformers uses a dict of masks as given
-        return out.logits[:, -1, :]  # (N, V)
-
-    def prefill(self, model, ids: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Run the B prompts (B, P) once into cache columns 0..P-1 of their rows (N,); returns logits (N, V)."""
-        p = ids.shape[1]
-        for buf in (*self.keys.values(), *self.values.values()):  # reused: nothing stale behind the mask
-            buf.zero_()
-        causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()  # (P, P)
-        # Padding queries see themselves: a query that sees nothing would give NaN keys/values.
-        visible = (causal & mask.bool()[:, None, :]) | torch.eye(p, dtype=torch.bool, device=ids.device)  # (B, P, P)
-        self.mask.zero_()
-        self.mask[:, 0, 0, :p] = visible[rows, -1]  # the last prompt row sees every real prompt column
-        pos = position_ids_from_mask(mask)  # (B, P)
-        self.pos.copy_(pos[rows, -1:])
-        self.write.fill_(p - 1)  # each decode step first moves it one column on
-        self.rows = rows  # while set, update() fills the prefill columns
-        logits = self._forward(model, ids, pos, visible[:, None])  # (B, V)
-        self.rows = None
-        return logits[rows]  # (N, V)
-
-    def decode(self, model, token: torch.Tensor) -> torch.Tensor:
-        """Feed the tokens (N,) just sampled at the next column; returns the next logits (N, V)."""
-        self.ids.copy_(token[:, None])
-        self.pos.add_(1)
-        self.write.add_(1)
-        self.mask.index_fill_(3, self.write, True)  # the new column becomes visible
-        if not self.write.is_cuda:  # on CPU: an eager forward
-            return self._forward(model)
-        if self.graph is None:
-            self._capture(model)
-        self.graph.replay()  # recomputes self.logits from the static inputs
-        return self.logits
-
-    def _capture(self, model) -> None:
-        """Warm up on a side stream, then capture one decode step (torch.cuda.graph's recipe). No
-        autocast weight-cast cache: it would freeze the weights' bf16 copies into the graph."""
-        amp = dict(dtype=torch.get_autocast_dtype("cuda"), enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
-        with torch.autocast("cuda", **amp):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):  # recomputes this very step: its cache write is idempotent
-                    self._forward(model)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.logits = self._forward(model)  # (N, V), in the graph's memory pool
-        self.graph = graph
-
-
-_DECODERS = weakref.WeakKeyDictionary()  # model -> (shape key, _StaticDecoder), freed with the model
-_NO_FAST = weakref.WeakSet()  # models on which the static-cache path failed: they sample plainly
-
-
-def _static_decoder(model, n: int, length: int, device) -> _StaticDecoder:
-    """The model's static decoder for N rows and >= `length` columns, kept: its graph is captured once."""
-    length = -(-length // 64) * 64  # rounded up: prompts of nearby lengths share one graph
-    key = (n, length, str(device), model.training, torch.is_autocast_enabled(device.type),
-           model.get_input_embeddings().weight.data_ptr())
-    if _DECODERS.get(model, (None,))[0] != key:  # one per model: another shape (evaluation) captures anew
-        _DECODERS[model] = (key, _StaticDecoder(model, n, length, device))
-    return _DECODERS[model][1]
+                   completion_mask=completion_mask, sampler_logp=logps,
+                   entropy=ents, truncated=alive)
 
 
 class _SelectedLogProb(torch.autograd.Function):

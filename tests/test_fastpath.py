@@ -1,4 +1,4 @@
-"""rollout.py's fast path (static KV cache, CUDA graph) against the plain loop, the reference.
+"""decoding.py's fast path (static KV cache, CUDA graph) against the plain loop, the reference.
 
 On CPU the static-cache decode runs without graph capture (`fast=True`), so the cache, the masks,
 the positions and the EOS bookkeeping are all checked here; the CUDA-graph tests skip without CUDA
@@ -14,6 +14,7 @@ computation (values and gradients) and by counting the tokens that reach the emb
 import pytest
 import torch
 
+import decoding
 import rollout
 from rollout import generate, sample_exponential_race, sampling_path, token_logprobs
 from tasks import Problem, encode_prompts
@@ -230,13 +231,13 @@ def test_auto_falls_back_to_plain_when_the_static_cache_fails(model, tok, monkey
     def broken(self, *a, **kw):
         raise TypeError("update() got an unexpected keyword argument")
 
-    monkeypatch.setattr(rollout._StaticDecoder, "prefill", broken)
+    monkeypatch.setattr(decoding._StaticDecoder, "prefill", broken)
     ids, mask = prompts(tok)
     kw = kwargs(tok, group_size=2, max_new_tokens=5, temperature=0.0)
     with pytest.warns(UserWarning, match="static-cache path failed"):
         ro = generate(model, ids, mask, **kw)
     assert_same_rollout(ro, generate(model, ids, mask, fast=False, **kw))
-    assert model in rollout._NO_FAST  # sampling_path(model) stays "plain" on CUDA too
+    assert model in decoding._NO_FAST  # sampling_path(model) stays "plain" on CUDA too
     with pytest.raises(TypeError):  # asked for explicitly, the failure is the caller's to see
         generate(model, ids, mask, fast=True, **kw)
 
@@ -253,7 +254,28 @@ def test_a_diverged_policy_is_not_taken_for_a_path_failure(tok, monkeypatch):
     ids, mask = prompts(tok)
     with pytest.raises(FloatingPointError):
         generate(model, ids, mask, **kwargs(tok, group_size=2, max_new_tokens=3, temperature=1.0))
-    assert model not in rollout._NO_FAST
+    assert model not in decoding._NO_FAST
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_logits_that_turn_non_finite_mid_decode_raise_floating_point_error(tok, fast):
+    # The prefill is fine and the third decode step's logits are NaN: the plain path would otherwise
+    # hit multinomial's bare RuntimeError, and the race would quietly pick a token from NaN.
+    import tiny
+
+    model = tiny.build_model(tok, seed=0).eval()
+    calls = []
+
+    def nan_from_the_third_call(module, args, out):
+        calls.append(1)
+        return out * float("nan") if len(calls) >= 3 else out
+
+    model.lm_head.register_forward_hook(nan_from_the_third_call)
+    ids, mask = prompts(tok)
+    kw = kwargs(tok, group_size=2, max_new_tokens=6, temperature=1.0)
+    with pytest.raises(FloatingPointError, match="not finite"):
+        generate(model, ids, mask, fast=fast, ignore_eos=True, **kw)
+    assert len(calls) >= 3  # it did get past the prefill
 
 
 # --- CUDA: the captured graph ---------------------------------------------------------------------
