@@ -65,6 +65,14 @@ class PromptStream:
 
 
 @torch.no_grad()
+def clock(device) -> float:
+    """time.time() once the device's queued work is done: CUDA runs asynchronously, so the phase
+    timers would otherwise bill one phase's kernels to the next phase that waits for them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.time()
+
+
 def evaluate(model, tokenizer, problems: list[Problem], max_new_tokens: int, device, batch_size: int = 256) -> float:
     """Held-out greedy accuracy: the fraction of problems whose completion the verifier credits."""
     was_training = model.training
@@ -244,14 +252,14 @@ def train(cfg: Config) -> dict:
         with torch.no_grad(), autocast(cfg, device):
             behaviour_logp = None if refresh else token_logprobs(sampler, ro.input_ids, ro.attention_mask, ro.completion_mask, cfg.temperature)
             ref_logp = token_logprobs(ref, ro.input_ids, ro.attention_mask, ro.completion_mask, cfg.temperature) if ref is not None else None
-        t_logprob = time.time() - t
+        t_logprob = clock(device) - t
 
         t = time.time()  # 6. update
         if loss_mask.sum() > 0:
             st = update(cfg, policy, opt, batch, behaviour_logp, ref_logp)
         else:
             st = {"nonfinite_updates": 0, "skipped_no_signal": 1}  # every group had equal rewards
-        t_update = time.time() - t
+        t_update = clock(device) - t
 
         pi_k_logp = st.pop("_pi_k_logp", None)
         alpha_logp = pi_k_logp if behaviour_logp is None else behaviour_logp
