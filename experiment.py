@@ -62,7 +62,7 @@ CONFIGS = {
     "opmd-v4": dict(offpolicy_steps=4, loss="opmd"),
 }
 CONFIG_COLUMNS = ["offpolicy_steps", "inner_steps", "clip_center", "loss", "mask_zero_std", "lr"]
-CSV_COLUMNS = ["config", *CONFIG_COLUMNS, "seed", "step", "wall_s", "eval_accuracy", "reward"]
+CSV_COLUMNS = ["config", *CONFIG_COLUMNS, "seed", "step", "wall_s", "eval_accuracy", "reward", "clip_frac"]
 
 # Defaults of the full sweep and of --quick; a flag given explicitly wins over both.
 # Full: 54 runs x 250 steps at ~0.15-0.2 s a step plus evals is about 45-55 min on 2 CPU cores.
@@ -122,24 +122,32 @@ def finished(cfg: Config) -> bool:
 def run_rows(name: str, cfg: Config) -> list[dict]:
     """The CSV rows of one finished run: start (step 0), every intermediate eval, final (step = steps).
 
-    `step` counts completed steps; `reward` is the mean training reward over the steps since the
-    previous eval point (blank at step 0, where no training has happened).
+    `step` counts completed steps; `reward` is the mean training reward and `clip_frac` the mean
+    fraction of loss tokens whose clip was active (clip_low + clip_high) over the steps since the
+    previous eval point (blank at step 0, where no training has happened, and for OPMD, which has no clip).
     """
     out = Path(cfg.out)
     summary = json.loads((out / "summary.json").read_text())
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     base = {"config": name, **{c: getattr(cfg, c) for c in CONFIG_COLUMNS}, "seed": cfg.seed}
-    rows = [{**base, "step": 0, "wall_s": 0.0, "eval_accuracy": summary["eval_accuracy_start"], "reward": ""}]
-    rewards = []
+    rows = [{**base, "step": 0, "wall_s": 0.0, "eval_accuracy": summary["eval_accuracy_start"], "reward": "", "clip_frac": ""}]
+    rewards, clips = [], []
+
+    def since_last_eval() -> dict:
+        out = {"reward": statistics.fmean(rewards) if rewards else "", "clip_frac": statistics.fmean(clips) if clips else ""}
+        rewards.clear(), clips.clear()
+        return out
+
     for m in metrics:
         if "reward" in m:  # a step whose sampler produced non-finite logits logs no reward
             rewards.append(m["reward"])
+        if "clip_low" in m:  # steps that ran an update with a clipped loss
+            clips.append(m["clip_low"] + m["clip_high"])
         if "eval_accuracy" in m:  # logged after step m["step"], i.e. after m["step"] + 1 completed steps
             rows.append({**base, "step": m["step"] + 1, "wall_s": m["wall_s"], "eval_accuracy": m["eval_accuracy"],
-                         "reward": statistics.fmean(rewards) if rewards else ""})
-            rewards = []
+                         **since_last_eval()})
     rows.append({**base, "step": summary["steps"], "wall_s": summary["wall_s"], "eval_accuracy": summary["eval_accuracy_end"],
-                 "reward": statistics.fmean(rewards) if rewards else ""})
+                 **since_last_eval()})
     return rows
 
 
@@ -179,22 +187,41 @@ def sweep(args) -> tuple[list[dict], list[str]]:
     return rows, failed
 
 
-def summary_table(rows: list[dict], args) -> str:
-    """Markdown table: per config and lr, final accuracy mean +- std over seeds, gain, wall time."""
-    lines = ["| config | lr | seeds | final accuracy (mean ± std) | gain over start | wall s (mean) |",
-             "|---|---|---:|---:|---:|---:|"]
+def _mean_sd(xs: list[float]) -> str:
+    """"mean ± sample std" (std 0 for a single value)."""
+    return f"{statistics.fmean(xs):+.3f} ± {statistics.stdev(xs) if len(xs) > 1 else 0.0:.3f}"
+
+
+def summary_table(rows: list[dict], args, baseline: str = "v1") -> str:
+    """Markdown table per config and lr, over seeds (mean ± sample std):
+      final      held-out accuracy after the last step;
+      vs v1      final minus the on-policy baseline's final *at the same seed* (same start policy and
+                 prompt stream), so the shared part of the seed-to-seed noise cancels;
+      late       mean of the last three eval points per run (less held-out sampling noise than one point);
+      clipped    mean fraction of loss tokens whose clip was active over the run (— without a clip);
+      wall       seconds per run, evaluations included."""
+    lines = [f"| config | lr | seeds | final accuracy | vs {baseline}, same seed | last 3 evals | clipped tokens | wall s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for lr in args.lrs:
+        final = {}  # (name, seed) -> final accuracy
+        for r in rows:
+            if r["lr"] == lr and r["step"] == args.steps:
+                final[r["config"], r["seed"]] = r["eval_accuracy"]
         for name in args.configs:
             runs = [r for r in rows if r["config"] == name and r["lr"] == lr]
-            starts = [r["eval_accuracy"] for r in runs if r["step"] == 0]
-            ends = [r["eval_accuracy"] for r in runs if r["step"] == args.steps]
-            if not ends:
+            seeds = sorted({r["seed"] for r in runs if r["step"] == args.steps})
+            if not seeds:
                 continue
+            ends = [final[name, s] for s in seeds]
+            paired = [final[name, s] - final[baseline, s] for s in seeds if (baseline, s) in final]
+            late = [statistics.fmean(r["eval_accuracy"] for r in sorted((r for r in runs if r["seed"] == s),
+                                                                       key=lambda r: r["step"])[-3:]) for s in seeds]
+            clips = [r["clip_frac"] for r in runs if r["step"] > 0 and r["clip_frac"] != ""]
             walls = [r["wall_s"] for r in runs if r["step"] == args.steps]
-            sd = statistics.stdev(ends) if len(ends) > 1 else 0.0  # sample std over seeds
-            gain = statistics.fmean(e - s for e, s in zip(ends, starts))
-            lines.append(f"| {name} | {lr:g} | {len(ends)} | {statistics.fmean(ends):.3f} ± {sd:.3f} | "
-                         f"{gain:+.3f} | {statistics.fmean(walls):.0f} |")
+            vs = "—" if name == baseline or not paired else _mean_sd(paired)
+            clip = f"{100 * statistics.fmean(clips):.2f}%" if clips else "—"
+            lines.append(f"| {name} | {lr:g} | {len(seeds)} | {_mean_sd(ends)[1:]} | {vs} | {_mean_sd(late)[1:]} | "
+                         f"{clip} | {statistics.fmean(walls):.0f} |")
     return "\n".join(lines) + "\n"
 
 
