@@ -226,7 +226,8 @@ def summary_table(rows: list[dict], args, baseline: str = "v1") -> str:
 
 
 def plot(rows: list[dict], args, path: Path) -> bool:
-    """Held-out accuracy vs step and vs wall-clock, one row of panels per lr: seed mean and min-max band."""
+    """One row of panels per lr: held-out accuracy vs step and vs wall-clock (seed mean and min-max
+    band), then each config's final accuracy (one dot per seed, the mean as a bar)."""
     try:
         import matplotlib
     except ImportError:
@@ -236,12 +237,12 @@ def plot(rows: list[dict], args, path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     colours = plt.get_cmap("tab10")
-    fig, axes = plt.subplots(len(args.lrs), 2, figsize=(13, 4.2 * len(args.lrs)), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(len(args.lrs), 3, figsize=(17, 4.4 * len(args.lrs)), squeeze=False, sharey=True,
+                             gridspec_kw={"width_ratios": [1, 1, 0.55]})
     for row, lr in enumerate(args.lrs):
-        for name in args.configs:
+        names = [n for n in args.configs if any(r["config"] == n and r["lr"] == lr for r in rows)]
+        for i, name in enumerate(names):
             runs = [r for r in rows if r["config"] == name and r["lr"] == lr]
-            if not runs:
-                continue
             steps = sorted({r["step"] for r in runs})
             # Seeds share eval steps; on the wall-clock axis each point sits at the seeds' mean time.
             at = {s: [r for r in runs if r["step"] == s] for s in steps}
@@ -249,12 +250,22 @@ def plot(rows: list[dict], args, path: Path) -> bool:
             mean = [statistics.fmean(a) for a in acc]
             lo, hi = [min(a) for a in acc], [max(a) for a in acc]
             wall = [statistics.fmean(r["wall_s"] for r in at[s]) for s in steps]
-            # Colour by position in CONFIGS, so a config keeps its colour in any subset (--configs, --quick).
-            style = dict(color=colours(list(CONFIGS).index(name) % 10), linestyle="-" if name.startswith("v") else "--")
+            # Colour by position in CONFIGS, so a config keeps its colour in any subset (--configs, --quick);
+            # [A]'s GRPO configs solid, [B]'s REINFORCE losses dashed.
+            style = dict(color=colours(list(CONFIGS).index(name) % 10),
+                         linestyle="--" if CONFIGS[name].get("loss") else "-")
             for col, x in enumerate((steps, wall)):  # the same points against steps, then seconds
                 ax = axes[row][col]
                 ax.plot(x, mean, marker="o", markersize=3, label=name, **style)
                 ax.fill_between(x, lo, hi, color=style["color"], alpha=0.12, linewidth=0)
+            x = i + 1  # the third panel: final accuracy per config, one column each
+            axes[row][2].scatter([x] * len(acc[-1]), acc[-1], s=14, color=style["color"], alpha=0.6)
+            axes[row][2].hlines(mean[-1], x - 0.3, x + 0.3, color=style["color"], linewidth=2.5)
+        final = axes[row][2]
+        final.set_xticks(range(1, len(names) + 1), names, rotation=40, ha="right", fontsize=8)
+        final.set_xlim(0.3, len(names) + 0.7)
+        final.set_title(f"final accuracy, lr = {lr:g}\n(dot: a seed, bar: the mean)", fontsize=10)
+        final.grid(alpha=0.3, axis="y")
         for col, xlabel in enumerate(("training step", "wall-clock (s, incl. evals)")):
             ax = axes[row][col]
             ax.set_xlabel(xlabel)
@@ -266,8 +277,8 @@ def plot(rows: list[dict], args, path: Path) -> bool:
     n_seeds = len(args.seeds)
     fig.suptitle(f"On- vs off-policy GRPO and [B]'s REINFORCE family, built-in arithmetic task "
                  f"({n_seeds} seeds, {args.steps} steps, {args.eval_size} held-out problems)")
-    fig.tight_layout(rect=(0, 0, 0.87, 1))  # the right margin holds the legend
-    fig.savefig(path, dpi=120)
+    fig.tight_layout(rect=(0, 0, 0.885, 1))  # the right margin holds the legend
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
 
