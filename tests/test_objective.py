@@ -141,6 +141,24 @@ def test_current_centre_follows_rho_prime():
     assert x.grad.item() == 0
 
 
+def test_one_inner_step_current_centre_is_rho_prime_weighted_reinforce():
+    # With --inner-steps 1 the gradient is taken at pi_theta = pi_k, so rho = rho' on every token:
+    # the current-centred interval [rho' - eps, rho' + eps] always holds rho and nothing is clipped,
+    # however stale alpha is (spread 1.5: rho' from e^-1.5 to e^1.5). The step is then
+    #     grad = - (1/|tokens|) sum_t rho'_t A_i grad log pi(y_t),
+    # importance-weighted REINFORCE. The behaviour centre does clip these tokens.
+    _, blogp, clogp, _, adv, mask = random_batch(seed=7, n=8, t=6, spread=1.5)
+    logp = clogp.clone().requires_grad_(True)
+    loss, stats = policy_loss(logp, blogp, clogp, None, adv, mask, clip_center="current")
+    loss.backward()
+    rho_prime = torch.exp(clogp - blogp)
+    expected = -rho_prime * adv[:, None] * mask / mask.sum()  # d loss / d logp, token by token
+    torch.testing.assert_close(logp.grad, expected)
+    assert stats["clip_low"] == 0 and stats["clip_high"] == 0
+    _, stats_b = policy_loss(clogp, blogp, clogp, None, adv, mask, clip_center="behaviour")
+    assert stats_b["clip_low"] + stats_b["clip_high"] > 0.2
+
+
 def test_micro_batch_totals_add_up():
     logp, blogp, clogp, rlogp, adv, mask = random_batch(3, n=8)
     for agg in ("token-mean", "seq-mean", "constant"):
