@@ -44,6 +44,8 @@ class Config:
     asymre_shift: float = arg(0.0, "AsymRE of [B]: baseline mean(r) - shift, advantages not divided by std")
     red: str = arg("none", "data shaping of [B]: none, drop (RED-Drop), weight (RED-Weight)", ["none", "drop", "weight"])
     red_tau: float = arg(1.0, "tau of RED-Weight, A <- A * exp(A / tau)")
+    reward_shuffle: bool = arg(False, "a null control for experiments: deal the step's N rewards to its samples in "
+                                      "random order before the advantages (same reward rate, no signal)")
     # --- objective (step 6) -----------------------------------------------------------------
     loss: str = arg("grpo", "grpo (clipped surrogate), rec, rec-is, opmd (the REINFORCE family of [B])",
                     ["grpo", "rec", "rec-is", "opmd"])

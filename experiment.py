@@ -60,8 +60,9 @@ CONFIGS = {
     "v1-no-mask": dict(offpolicy_steps=1, mask_zero_std=False),
     "rec-v4": dict(offpolicy_steps=4, loss="rec"),
     "opmd-v4": dict(offpolicy_steps=4, loss="opmd"),
+    "v1-shuffled-rewards": dict(offpolicy_steps=1, reward_shuffle=True),
 }
-CONFIG_COLUMNS = ["offpolicy_steps", "inner_steps", "clip_center", "loss", "mask_zero_std", "lr"]
+CONFIG_COLUMNS = ["offpolicy_steps", "inner_steps", "clip_center", "loss", "mask_zero_std", "reward_shuffle", "lr"]
 CSV_COLUMNS = ["config", *CONFIG_COLUMNS, "seed", "step", "wall_s", "eval_accuracy", "reward", "clip_frac"]
 
 # Defaults of the full sweep and of --quick; a flag given explicitly wins over both.
@@ -116,7 +117,8 @@ def finished(cfg: Config) -> bool:
         return False
     saved = json.loads((out / "config.json").read_text())
     ignore = {"progress", "resume"}  # do not change the result
-    return all(saved.get(f.name) == getattr(cfg, f.name) for f in fields(Config) if f.name not in ignore)
+    # A field the saved config lacks was added to Config after that run: it ran with the default.
+    return all(saved.get(f.name, f.default) == getattr(cfg, f.name) for f in fields(Config) if f.name not in ignore)
 
 
 def run_rows(name: str, cfg: Config) -> list[dict]:

@@ -91,6 +91,8 @@ def evaluate(model, tokenizer, problems: list[Problem], max_new_tokens: int, dev
 
 def compute_advantages(cfg: Config, rewards: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and valid mask for the chosen loss and data shaping (advantage.py)."""
+    if cfg.reward_shuffle:  # the null control: the same rewards, each credited to a random sample
+        rewards = rewards[torch.randperm(rewards.numel(), generator=gen, device=rewards.device)]  # (N,)
     keep = red_drop(rewards, cfg.group_size, gen) if cfg.red == "drop" else None
     scale_std = cfg.loss in ("grpo", "rec", "rec-is") and cfg.asymre_shift == 0.0
     adv, valid = group_advantages(rewards, cfg.group_size, mask_zero_std=cfg.mask_zero_std,

@@ -62,6 +62,20 @@ def test_on_policy_gradient_is_group_baseline_reinforce(model, tok):
     assert torch.allclose(opt.grads[0], reinforce, atol=1e-6, rtol=1e-4)
 
 
+def test_reward_shuffle_deals_the_same_rewards_to_random_samples():
+    # The null control: the advantages are those of a permutation of the step's rewards, so the
+    # reward rate is kept and the link between a completion and its reward is cut.
+    rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1])  # 4 groups of 4
+    plain_adv, _ = train.compute_advantages(cfg_for(), rewards, torch.Generator().manual_seed(0))
+    adv, valid = train.compute_advantages(cfg_for(reward_shuffle=True), rewards, torch.Generator().manual_seed(0))
+    perm = torch.randperm(16, generator=torch.Generator().manual_seed(0))  # the same draw, replayed
+    ref_adv, ref_valid = group_advantages(rewards[perm], 4)
+    assert not torch.equal(perm, torch.arange(16))
+    torch.testing.assert_close(adv, ref_adv)
+    assert torch.equal(valid, ref_valid)
+    assert not torch.allclose(adv, plain_adv)
+
+
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "constant"])
 def test_micro_batched_gradient_equals_whole_batch(model, tok, agg):
     batch = make_batch(model, tok, seed=1)
@@ -167,3 +181,13 @@ def test_real_model_path_offline(tmp_path):
     assert "<|im_start|>user" in tok.decode(encode_prompts(tok, [Problem("q", "1")], "cpu")[0][0])  # chat template
     reloaded = AutoModelForCausalLM.from_pretrained(out / "final")
     assert reloaded.config.num_hidden_layers == 2
+
+
+def test_readme_flag_table_lists_every_config_field():
+    # The README's flag table is the user's reference: a Config field missing there is a defect.
+    from dataclasses import fields
+
+    readme = (ROOT / "README.md").read_text()
+    for f in fields(Config):
+        flag = f"--{'no-' if f.default is True else ''}{f.name.replace('_', '-')}"
+        assert f"| `{flag}` |" in readme, flag
