@@ -1,6 +1,6 @@
 """The on/off-policy experiment on the built-in arithmetic task: one command, many `train.train` runs.
 
-    python experiment.py            # the full sweep: 9 configs x 3 seeds x 2 learning rates (~1 h on 2 CPU cores)
+    python experiment.py            # the full sweep: 10 configs x 3 seeds x 2 learning rates (47 min on 2 CPU cores)
     python experiment.py --quick    # 4 configs x 2 seeds x 1 learning rate, 60 steps (minutes)
 
 What the two papers claim, and what this sweep can show about it:
@@ -14,11 +14,15 @@ What the two papers claim, and what this sweep can show about it:
 
 Configs (all others at Config's defaults; every run shares the warmed-up tiny policy in --cache-dir):
   v1, v2, v4, v8       [A]'s surrogate at growing staleness v (v1 = on-policy: rho = 1 at the gradient,
-                       so the step is exactly group-baseline REINFORCE).
+                       so the step is exactly group-baseline REINFORCE). With one inner step the gradient
+                       is taken at rho = rho', the centre of [A]'s interval, so its clip never acts and
+                       v>1 is rho'-weighted REINFORCE (tests/test_objective.py checks this identity).
   v1-inner4            the other road off-policy: 4 optimizer steps on each batch (sample reuse, [A]'s i).
   v4-behaviour-centre  v=4 with the PPO/TRL clip interval [1-eps, 1+eps] instead of [A]'s rho'-centred one.
   v1-no-mask           [A]'s zero-std masking switched off: all-equal groups stay in the normaliser.
   rec-v4, opmd-v4      [B]'s REC and OPMD losses at v=4.
+  v1-shuffled-rewards  the null control: v1 with each step's rewards dealt to random samples (same reward
+                       rate, no signal), so a gain that is not the reward's shows up here.
 
 Outputs (--out-dir): offpolicy.csv (one row per run and eval point, with the start and the final point),
 offpolicy_table.md (final accuracy per config and lr, mean +- std over seeds), offpolicy.png
@@ -66,7 +70,7 @@ CONFIG_COLUMNS = ["offpolicy_steps", "inner_steps", "clip_center", "loss", "mask
 CSV_COLUMNS = ["config", *CONFIG_COLUMNS, "seed", "step", "wall_s", "eval_accuracy", "reward", "clip_frac"]
 
 # Defaults of the full sweep and of --quick; a flag given explicitly wins over both.
-# Full: 54 runs x 250 steps at ~0.15-0.2 s a step plus evals is about 45-55 min on 2 CPU cores.
+# Full: 60 runs x 250 steps, ~35-45 s a run (v1-inner4: ~105 s), measured 2600 + 217 s = 47 min on 2 CPU cores.
 FULL = dict(configs=list(CONFIGS), seeds=[0, 1, 2], lrs=[5e-5, 1e-4], steps=250, eval_every=50,
             eval_size=500, out_dir="results", runs_dir="runs/experiment")
 QUICK = dict(configs=["v1", "v4", "rec-v4", "opmd-v4"], seeds=[0, 1], lrs=[5e-5], steps=60, eval_every=20,
