@@ -1,7 +1,7 @@
 """The on/off-policy experiment on the built-in arithmetic task: one command, many `train.train` runs.
 
     python experiment.py            # the full sweep: 10 configs x 3 seeds x 2 learning rates (47 min on 2 CPU cores)
-    python experiment.py --quick    # 4 configs x 2 seeds x 1 learning rate, 60 steps (minutes)
+    python experiment.py --quick    # 5 configs x 2 seeds x 1 learning rate, 60 steps (minutes)
 
 What the two papers claim, and what this sweep can show about it:
   [A] Mroueh et al. 2025: off-policy GRPO, whose sampler alpha is refreshed from the policy only every
@@ -73,7 +73,7 @@ CSV_COLUMNS = ["config", *CONFIG_COLUMNS, "seed", "step", "wall_s", "eval_accura
 # Full: 60 runs x 250 steps, ~35-45 s a run (v1-inner4: ~105 s), measured 2600 + 217 s = 47 min on 2 CPU cores.
 FULL = dict(configs=list(CONFIGS), seeds=[0, 1, 2], lrs=[5e-5, 1e-4], steps=250, eval_every=50,
             eval_size=500, out_dir="results", runs_dir="runs/experiment")
-QUICK = dict(configs=["v1", "v4", "rec-v4", "opmd-v4"], seeds=[0, 1], lrs=[5e-5], steps=60, eval_every=20,
+QUICK = dict(configs=["v1", "v4", "rec-v4", "opmd-v4", "v1-shuffled-rewards"], seeds=[0, 1], lrs=[5e-5], steps=60, eval_every=20,
              eval_size=200, out_dir="results/quick", runs_dir="runs/experiment-quick")
 
 
