@@ -64,7 +64,6 @@ class PromptStream:
         return out
 
 
-@torch.no_grad()
 def clock(device) -> float:
     """time.time() once the device's queued work is done: CUDA runs asynchronously, so the phase
     timers would otherwise bill one phase's kernels to the next phase that waits for them."""
@@ -73,6 +72,7 @@ def clock(device) -> float:
     return time.time()
 
 
+@torch.no_grad()
 def evaluate(model, tokenizer, problems: list[Problem], max_new_tokens: int, device, batch_size: int = 256) -> float:
     """Held-out greedy accuracy: the fraction of problems whose completion the verifier credits."""
     was_training = model.training
