@@ -142,7 +142,7 @@ def generate(
 
     t = int(lengths.max())  # the step at which the last row ended (the fast path may have gone on)
     logps, ents = torch.stack(logps, dim=1)[:, :t], torch.stack(ents, dim=1)[:, :t]  # (N, T) each
-    if not (torch.isfinite(logps).all() and torch.isfinite(ents).all()):  # the fast path's race picks a token
+    if not plain and not (torch.isfinite(logps).all() and torch.isfinite(ents).all()):  # the race picks a token
         raise FloatingPointError("generate: the sampler's logits are not finite")  # even from NaN logits
     completion_mask = (torch.arange(t, device=device).unsqueeze(0) < lengths.unsqueeze(1)).long()  # (N, T)
     return Rollout(prompt_ids=ids, prompt_mask=mask, completion_ids=torch.stack(tokens, dim=1)[:, :t],
