@@ -193,9 +193,9 @@ def sweep(args) -> tuple[list[dict], list[str]]:
     return rows, failed
 
 
-def _mean_sd(xs: list[float]) -> str:
-    """"mean ± sample std" (std 0 for a single value)."""
-    return f"{statistics.fmean(xs):+.3f} ± {statistics.stdev(xs) if len(xs) > 1 else 0.0:.3f}"
+def _mean_sd(xs: list[float], signed: bool = False) -> str:
+    """"mean ± sample std" (std 0 for a single value); `signed` writes the mean's sign, for differences."""
+    return f"{statistics.fmean(xs):{'+' if signed else ''}.3f} ± {statistics.stdev(xs) if len(xs) > 1 else 0.0:.3f}"
 
 
 def summary_table(rows: list[dict], args, baseline: str = "v1") -> str:
@@ -224,9 +224,9 @@ def summary_table(rows: list[dict], args, baseline: str = "v1") -> str:
                                                                        key=lambda r: r["step"])[-3:]) for s in seeds]
             clips = [r["clip_frac"] for r in runs if r["step"] > 0 and r["clip_frac"] != ""]
             walls = [r["wall_s"] for r in runs if r["step"] == args.steps]
-            vs = "—" if name == baseline or not paired else _mean_sd(paired)
+            vs = "—" if name == baseline or not paired else _mean_sd(paired, signed=True)
             clip = f"{100 * statistics.fmean(clips):.2f}%" if clips else "—"
-            lines.append(f"| {name} | {lr:g} | {len(seeds)} | {_mean_sd(ends)[1:]} | {vs} | {_mean_sd(late)[1:]} | "
+            lines.append(f"| {name} | {lr:g} | {len(seeds)} | {_mean_sd(ends)} | {vs} | {_mean_sd(late)} | "
                          f"{clip} | {statistics.fmean(walls):.0f} |")
     return "\n".join(lines) + "\n"
 
