@@ -65,8 +65,9 @@ class Config:
     inner_steps: int = arg(1, "optimizer steps on each batch ([A]'s i); > 1 reuses samples")
     micro_batch: int | None = arg(None, "sequences per forward/backward chunk (default: the whole batch N)")
     # --- built-in tiny policy -------------------------------------------------------------------
-    warmup_steps: int = arg(1000, "supervised warm-up steps of the tiny policy (cached)")
-    cache_dir: str = arg(".cache", "where the warmed-up tiny policy is cached")
+    warmup_steps: int = arg(1000, "supervised warm-up steps of the tiny policy: 1000 loads the shipped "
+                            "tiny_policy/, any other number warms up here (cached)")
+    cache_dir: str = arg(".cache", "where a tiny policy warmed up here is cached")
     # --- evaluation, logging, output ---------------------------------------------------------
     eval_every: int = arg(50, "held-out greedy accuracy every this many steps (0 = start and end only)")
     eval_size: int = arg(500, "held-out problems evaluated")

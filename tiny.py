@@ -8,11 +8,19 @@ No weights can be downloaded here, so the default run builds its own policy:
   3. a supervised warm-up on the arithmetic training split (answer tokens and EOS only), which
      takes it to roughly 25-40% held-out greedy accuracy: good enough that GRPO has groups with
      mixed rewards to learn from, bad enough that there is much left to learn.
-The result is saved with `save_pretrained` under `--cache-dir`, keyed by what determines it,
-so later runs load it in a second. It is an ordinary transformers model: everything downstream
-(rollout, log-probs, training, `from_pretrained` of the final checkpoint) is the real path.
+
+The warm-up's result is shipped in `tiny_policy/` (4 MB, `save_pretrained` format) and the default run
+loads it from there. Why ship it: 1000 supervised steps at a constant learning rate are chaotic in the
+float rounding, and torch picks AVX2, AVX-512 or plain kernels per machine, so the same recipe left the
+policy anywhere from 32% to 85% held-out accuracy on different CPUs. With the weights shipped every
+machine starts from the same policy. `python tiny.py --rebuild` runs the warm-up again and rewrites
+`tiny_policy/`; any other `--warmup-steps` warms up from scratch on this machine and caches the result
+under `--cache-dir`, keyed by what determines it. Either way it is an ordinary transformers model:
+everything downstream (rollout, log-probs, training, `from_pretrained` of the final checkpoint) is the
+real path.
 """
 
+import argparse
 import math
 import os
 import random
@@ -29,6 +37,8 @@ from tasks import Problem, arithmetic_problems
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
 CHARS = "0123456789+-*="
 VERSION = 2  # bump when the model, tokenizer or warm-up recipe changes: invalidates caches
+SHIPPED = Path(__file__).resolve().parent / "tiny_policy"  # the warm-up's result, made by `python tiny.py --rebuild`
+SHIPPED_WARMUP = 1000  # the warm-up steps that made SHIPPED: `--warmup-steps 1000` (the default) loads it
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -112,12 +122,36 @@ def cache_path(cache_dir: str, warmup_steps: int) -> Path:
     return Path(cache_dir) / f"tiny-v{VERSION}-warmup{warmup_steps}"
 
 
-def load_tiny(cache_dir: str, warmup_steps: int, log=print):
-    """The warmed-up tiny policy and its tokenizer, from the cache or built (then cached).
+def save_atomically(model, tokenizer, path: Path) -> None:
+    """`save_pretrained` into a temporary folder beside `path`, then rename it into place: an interrupted
+    write never leaves a half-written model that a later run would load."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if path.exists():  # a rebuild: the old folder leaves in one rename, the new one arrives in another
+            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=".old-"))
+            os.replace(path, old / path.name)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)  # atomic on one filesystem
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (path / "config.json").is_file():  # a concurrent build may have won the rename
+            raise
 
-    The cache entry is written to a temporary folder and renamed into place, so an interrupted
-    build never leaves a half-written model that a later run would load.
+
+def load_tiny(cache_dir: str, warmup_steps: int, log=print):
+    """The warmed-up tiny policy and its tokenizer: shipped, cached, or built here (then cached).
+
+    `warmup_steps == SHIPPED_WARMUP` loads the shipped weights (the same on every machine); any other
+    number runs that many warm-up steps on this machine once and caches the result under `cache_dir`.
     """
+    if warmup_steps == SHIPPED_WARMUP and (SHIPPED / "model.safetensors").is_file():
+        log(f"tiny policy: the shipped weights in {SHIPPED.name}/ ({SHIPPED_WARMUP} warm-up steps)")
+        return AutoModelForCausalLM.from_pretrained(SHIPPED), AutoTokenizer.from_pretrained(SHIPPED)
     path = cache_path(cache_dir, warmup_steps)
     if (path / "config.json").is_file():
         log(f"tiny policy: loaded from cache {path}")
@@ -126,14 +160,24 @@ def load_tiny(cache_dir: str, warmup_steps: int, log=print):
     tokenizer = build_tokenizer()
     model = build_model(tokenizer)
     warm_up(model, tokenizer, warmup_steps)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, path)  # atomic on one filesystem
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (path / "config.json").is_file():  # a concurrent build may have won the rename
-            raise
+    save_atomically(model, tokenizer, path)
     return model, tokenizer
+
+
+def rebuild(out: Path = SHIPPED, steps: int = SHIPPED_WARMUP, log=print) -> None:
+    """Run the warm-up from the fixed seed and (re)write `out` atomically: what made the shipped folder."""
+    tok = build_tokenizer()
+    policy = build_model(tok)
+    losses = warm_up(policy, tok, steps)
+    save_atomically(policy, tok, Path(out))
+    log(f"tiny policy: {steps} warm-up steps, final loss {losses[-1]:.4f}, written to {out}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Rebuild the shipped tiny policy: the supervised warm-up, then "
+                                     "save_pretrained into tiny_policy/ (the result depends on this CPU's kernels).")
+    parser.add_argument("--rebuild", action="store_true", help="run the warm-up and rewrite the shipped folder")
+    parser.add_argument("--out", default=str(SHIPPED), help="where to write it (default: the shipped folder)")
+    if not parser.parse_args().rebuild:
+        parser.error("nothing to do without --rebuild")
+    rebuild(Path(parser.parse_args().out))

@@ -1,10 +1,14 @@
 """bench.py end to end: a tiny CPU run as a subprocess, its last line a JSON object."""
 
+import pytest
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+# Trains or decodes a model: CI runs these again under ATEN_CPU_CAPABILITY=default (plain kernels).
+pytestmark = pytest.mark.model
 
 ROOT = Path(__file__).resolve().parents[1]
 # v=2 and beta > 0, two timed steps: one stale step (behaviour pass) and one refresh step

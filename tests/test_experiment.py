@@ -8,6 +8,9 @@ import pytest
 import experiment
 from conftest import TEST_WARMUP
 
+# Trains or decodes a model: CI runs these again under ATEN_CPU_CAPABILITY=default (plain kernels).
+pytestmark = pytest.mark.model
+
 
 def sweep_args(tmp_path, warm_cache, *extra):
     return ["--configs", "v1", "v4", "--seeds", "0", "--lrs", "5e-5", "--steps", "3", "--eval-every", "2",

@@ -19,6 +19,9 @@ import rollout
 from rollout import generate, sample_exponential_race, sampling_path, token_logprobs
 from tasks import Problem, encode_prompts
 
+# Trains or decodes a model: CI runs these again under ATEN_CPU_CAPABILITY=default (plain kernels).
+pytestmark = pytest.mark.model
+
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA-graph path: needs a GPU (gpu_check.sh runs it)")
 
@@ -66,51 +69,78 @@ def test_greedy_is_identical_on_both_paths(model, tok):
     assert fast.completion_ids.shape[1] == 12 and fast.truncated.all()
 
 
+# The hand-set ending model's greedy chain, token -> next token, on the tokenizer's symbols: it stops
+# after a number of steps fixed by the prompt's last symbol, or never (the 7 -> 8 -> 9 -> 0 -> 7 cycle).
+CHAIN = {"=": "1", "1": "<eos>", "2": "3", "3": "<eos>", "4": "5", "5": "6", "6": "<eos>",
+         "7": "8", "8": "9", "9": "0", "0": "7", "+": "2", "-": "2", "*": "4",
+         "<pad>": "<eos>", "<eos>": "<eos>", "<unk>": "<eos>"}
+
+
 @pytest.fixture(scope="module")
 def ending_model(tok):
-    """A tiny policy after 60 supervised steps on `question answer <eos>` (3 s): it answers, then ends."""
-    import random
+    """A tiny Qwen2 whose greedy continuation is fixed by its weights: the next token is CHAIN[last token].
 
+    The random-init layers stay (so the KV cache, masks and positions still shape every logit), but the
+    embeddings are one-hot and the untied head maps one-hot(x) to CHAIN[x] with a logit margin of about 10,
+    far above what the layers add (about 0.4): no kernel's rounding can change an argmax. Built, not trained.
+    """
     import tiny
-    from tasks import arithmetic_problems
 
     model = tiny.build_model(tok, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    rng, train = random.Random(0), arithmetic_problems()[0]
-    for _ in range(60):
-        seqs = [tok(p.question + p.gold).input_ids + [tok.eos_token_id] for p in rng.sample(train, 32)]
-        width = max(map(len, seqs))
-        ids = torch.tensor([[tok.pad_token_id] * (width - len(s)) + s for s in seqs])  # (32, L) left-padded
-        mask = (ids != tok.pad_token_id).long()  # (32, L)
-        loss = model(input_ids=ids, attention_mask=mask, position_ids=rollout.position_ids_from_mask(mask),
-                     labels=ids.masked_fill(mask == 0, -100)).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
+    cfg = model.config
+    cfg.tie_word_embeddings = False
+    hand = type(model)(cfg)
+    hand.load_state_dict(model.state_dict(), strict=False)
+    vocab, hidden = len(tok), cfg.hidden_size
+    with torch.no_grad():
+        hand.get_input_embeddings().weight.copy_(torch.eye(vocab, hidden))  # (V, H) token x -> e_x
+        head = torch.zeros(vocab, hidden)  # (V, H) row y collects the x with CHAIN[x] = y
+        for x, y in CHAIN.items():
+            head[tok.convert_tokens_to_ids(y), tok.convert_tokens_to_ids(x)] = 1.0
+        hand.get_output_embeddings().weight.copy_(head)
+    return hand.eval()
+
+
+def chain_length(prompt: str, limit: int) -> tuple[int, bool]:
+    """Completion length (EOS included) that CHAIN gives after `prompt`, capped at `limit`; and truncated?"""
+    token = prompt[-1]
+    for t in range(1, limit + 1):
+        token = CHAIN[token]
+        if token == "<eos>":
+            return t, False
+    return limit, True
+
+
+# Last symbols 1, =, 2, 4 end after 1, 2, 2, 3 tokens; 7 never ends. Lengths differ, so do the prompts'.
+ENDING_PROMPTS = ["11", "12+3=", "4*2", "98-4", "31", "7=", "6*2", "8-4"]
 
 
 @pytest.mark.parametrize("max_new_tokens", [2, 8])
 def test_eos_bookkeeping_matches_the_plain_loop(ending_model, tok, max_new_tokens):
-    # 2: rows with a one-digit answer end, the others are truncated; 8: every row ends (after 2 or 3
-    # tokens), so both paths stop early, at the same T.
-    from tasks import arithmetic_problems
-
-    ids, mask = encode_prompts(tok, arithmetic_problems()[1][:24], "cpu")
+    # 2: rows needing 3 tokens are truncated, the others end; 8: every row ends (after 1 to 3 tokens), so
+    # both paths stop early, at the same T. The lengths, masks and padding are what CHAIN dictates.
+    ids, mask = encode_prompts(tok, [Problem(q, "0") for q in ENDING_PROMPTS], "cpu")
     kw = kwargs(tok, group_size=1, max_new_tokens=max_new_tokens, temperature=0.0)
     plain = generate(ending_model, ids, mask, fast=False, **kw)
     fast = generate(ending_model, ids, mask, fast=True, **kw)
     assert_same_rollout(plain, fast)
-    lengths = fast.completion_mask.sum(1)
+    expected = [chain_length(q, max_new_tokens) for q in ENDING_PROMPTS]
+    for ro in (plain, fast):
+        assert ro.completion_mask.sum(1).tolist() == [n for n, _ in expected]
+        assert ro.truncated.tolist() == [trunc for _, trunc in expected]
+        assert ro.completion_ids.shape[1] == max(n for n, _ in expected)
+        for row, (n, trunc) in zip(ro.completion_ids.tolist(), expected):
+            assert (row[n - 1] == tok.eos_token_id) != trunc and row[n:] == [tok.pad_token_id] * (len(row) - n)
     if max_new_tokens == 2:
         assert fast.truncated.any() and not fast.truncated.all()
     else:
-        assert len(set(lengths.tolist())) > 1  # rows end at different steps
-        assert not fast.truncated.any() and fast.completion_ids.shape[1] == int(lengths.max()) < max_new_tokens
+        assert not fast.truncated.any() and fast.completion_ids.shape[1] == 3 < max_new_tokens
 
 
 def test_sampled_masks_follow_the_eos_rules(ending_model, tok):
-    ids, mask = prompts(tok)
+    # At temperature 1.5 the chain is followed with probability about 0.98 a token: rows ending in "="
+    # mostly end after 2 tokens, rows ending in "7" cycle past 4 tokens; what is checked holds for every row.
+    ids, mask = encode_prompts(tok, [Problem("12+3=", "15"), Problem("407", "0"), Problem("4*4=", "16")], "cpu")
     ro = generate(ending_model, ids, mask, fast=True, generator=torch.Generator().manual_seed(0),
                   **kwargs(tok, group_size=8, max_new_tokens=4, temperature=1.5))
     assert ro.truncated.any() and not ro.truncated.all()

@@ -15,6 +15,9 @@ from checkpoint import latest_checkpoint, save_checkpoint
 from config import Config, resolve
 from conftest import ROOT, TEST_WARMUP
 
+# Trains or decodes a model: CI runs these again under ATEN_CPU_CAPABILITY=default (plain kernels).
+pytestmark = pytest.mark.model
+
 ENV = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1"}
 
 

@@ -10,6 +10,9 @@ import rollout
 from rollout import generate, token_logprobs
 from tasks import Problem, encode_prompts
 
+# Trains or decodes a model: CI runs these again under ATEN_CPU_CAPABILITY=default (plain kernels).
+pytestmark = pytest.mark.model
+
 
 def batch_of(tok, prompts, completions):
     """(input_ids, attention_mask, completion_mask) for left-padded prompts + right-padded completions."""

@@ -15,6 +15,9 @@ from rollout import generate, token_logprobs
 from tasks import Problem, encode_prompts
 from conftest import ROOT, TEST_WARMUP, shared_data
 
+# Trains or decodes a model: CI runs these again under ATEN_CPU_CAPABILITY=default (plain kernels).
+pytestmark = pytest.mark.model
+
 
 class RecordingOptimizer:
     """Stands in for AdamW: records the gradient at each step instead of moving the weights."""
