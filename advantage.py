@@ -58,7 +58,9 @@ def group_advantages(
             and for dropped samples.
     """
     if rewards.dim() != 1 or rewards.numel() % group_size != 0:
-        raise ValueError(f"rewards must be (N,) with N divisible by group_size={group_size}, got {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards must be (N,) with N divisible by group_size={group_size}, got {tuple(rewards.shape)}"
+        )
     r = rewards.float().view(-1, group_size)  # (B, G)
     k = torch.ones_like(r, dtype=torch.bool) if keep is None else keep.view(-1, group_size)  # (B, G)
     kf = k.float()  # (B, G)

@@ -4,10 +4,10 @@
     python bench.py --model qwen2.5-0.5b-random --prompts 64 --group 8 --prompt-len 128 \\
         --max-new-tokens 256 --beta 0.04 --device cuda --dtype bfloat16
 
-The timed step is train.py's, made of the same functions in the same order:
+The timed step is train.py's own, `train.grpo_step`; its phases are the ones it times itself:
     refresh  alpha <- pi_theta (load_state_dict), at refresh steps when --offpolicy-steps > 1
     sample   rollout.generate from alpha (the path it takes is printed: plain or static-cache+cuda-graph)
-    score    decode the completions to text, rewards, advantage.group_advantages
+    score    the reward function (here: decode the completions to text, synthetic rewards), advantages
     logprob  rollout.token_logprobs without grad: alpha on stale steps, pi_ref when --beta > 0
     update   train.update: forward, backward and the AdamW step, micro-batched
 Each phase's median over --steps timed steps (after --warmup untimed ones) is printed, then, as the
@@ -50,28 +50,42 @@ import time
 
 import torch
 
-from advantage import group_advantages
 from config import Config, resolve, validate
-from rollout import generate, sampling_path, token_logprobs
-from train import update
+from rollout import sampling_path
+from train import Models, grpo_step
 
 PRESETS = {  # random-weight models with a real model's shape
-    "qwen2.5-0.5b-random": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                                intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
-                                max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
+    "qwen2.5-0.5b-random": dict(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+    ),
 }
 QWEN_TOKENIZER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "qwen2-tokenizer")
 PHASES = ["refresh", "sample", "score", "logprob", "update"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Time one GRPO step of this project's loop, phase by phase",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description="Time one GRPO step of this project's loop, phase by phase",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     # --- model and device ---------------------------------------------------------------------
     p.add_argument("--model", default="tiny", help=f"tiny (random weights), {', '.join(PRESETS)}, a folder or a hub id")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="as train.py: bfloat16 = autocast (float32 weights) of every pass, auto = bfloat16 on cuda")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="as train.py: bfloat16 = autocast (float32 weights) of every pass, auto = bfloat16 on cuda",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     # --- the step -----------------------------------------------------------------------------------
     p.add_argument("--prompts", type=int, default=8, help="B, prompts per step")
@@ -82,8 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offpolicy-steps", type=int, default=1, help="v, sampler refresh period (1 = on-policy)")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (default N)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    p.add_argument("--sampling", default="auto", choices=["auto", "plain", "fast"],
-                   help="generate's path: auto (fast on CUDA), plain (the reference loop), fast (static cache)")
+    p.add_argument(
+        "--sampling",
+        default="auto",
+        choices=["auto", "plain", "fast"],
+        help="generate's path: auto (fast on CUDA), plain (the reference loop), fast (static cache)",
+    )
     # --- timing -------------------------------------------------------------------------------------
     p.add_argument("--steps", type=int, default=5, help="timed steps (the median is reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (allocator, kernels, graph capture)")
@@ -134,8 +152,11 @@ def prompt_words(tok) -> list[int]:
     vocabulary ("Ġcat"), or every non-special token of a character- or word-level one."""
     special = set(tok.all_special_ids)
     pieces = tok.convert_ids_to_tokens(list(range(len(tok))))
-    words = [i for i, s in enumerate(pieces) if s and s.startswith("Ġ") and s[1:].isascii() and s[1:].isalpha()
-             and len(s) > 3 and i not in special]
+    words = [
+        i
+        for i, s in enumerate(pieces)
+        if s and s.startswith("Ġ") and s[1:].isascii() and s[1:].isalpha() and len(s) > 3 and i not in special
+    ]
     return words if len(words) > 100 else [i for i, s in enumerate(pieces) if s is not None and i not in special]
 
 
@@ -157,72 +178,49 @@ def peak_mem_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
-def grpo_step(cfg: Config, args, k: int, policy, sampler, ref, opt, tok, prompts, gen, reward_gen) -> dict:
-    """One step of train.py's loop (its steps 1-6); returns each phase's seconds."""
-    device = torch.device(cfg.device)
-    fast = {"auto": None, "plain": False, "fast": True}[args.sampling]
-    # As train.py: sampling and the no-grad passes under the same autocast as the update.
-    amp = torch.autocast(device.type, dtype=cfg.autocast_dtype or torch.float32, enabled=cfg.autocast_dtype is not None)
-    t, times = now(device), {}
-    refresh = k % cfg.offpolicy_steps == 0
-    if sampler is not None and refresh:
-        sampler.load_state_dict(policy.state_dict())  # 1. alpha <- pi_theta
-    times["refresh"], t = now(device) - t, now(device)
+def synthetic_reward(tok, group_size: int, reward_gen: torch.Generator):
+    """Random 0/1 rewards, with one flipped in any group that came out all equal (so every group has
+    signal and the update always runs); the completions are decoded first, the text a verifier would read."""
 
-    prompt_ids = prompts.to(device)  # (B, P), no padding
-    policy.eval()
-    with amp:  # 2. sample from alpha
-        ro = generate(sampler or policy, prompt_ids, torch.ones_like(prompt_ids), group_size=cfg.group_size,
-                      max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, generator=gen, ignore_eos=True, fast=fast)
-    times["sample"], t = now(device) - t, now(device)
+    def reward_fn(ro) -> torch.Tensor:
+        tok.batch_decode(ro.completion_ids, skip_special_tokens=True)
+        rewards = torch.randint(0, 2, (ro.completion_ids.shape[0],), generator=reward_gen).float()  # (N,)
+        groups = rewards.view(-1, group_size)  # (B, G), a view: the flip below writes into rewards
+        same = (groups == groups[:, :1]).all(dim=1)  # (B,) groups without signal would skip the update
+        groups[same, 0] = 1.0 - groups[same, 0]
+        return rewards.to(ro.completion_ids.device)
 
-    tok.batch_decode(ro.completion_ids, skip_special_tokens=True)  # 3. score: the text a verifier would read
-    rewards = torch.randint(0, 2, (ro.completion_ids.shape[0],), generator=reward_gen).float()  # (N,)
-    groups = rewards.view(-1, cfg.group_size)  # (B, G), a view: the flip below writes into rewards
-    same = (groups == groups[:, :1]).all(dim=1)  # (B,) groups without signal would skip the update
-    groups[same, 0] = 1.0 - groups[same, 0]
-    adv, valid = group_advantages(rewards.to(device), cfg.group_size)  # 4. advantages, (N,) each
-    loss_mask = ro.completion_mask * valid.unsqueeze(1)  # (N, T)
-    times["score"], t = now(device) - t, now(device)
-
-    with torch.no_grad(), amp:  # 5. log-probs: alpha on stale steps, pi_ref with KL
-        behaviour_logp = None if refresh else token_logprobs(sampler, ro.input_ids, ro.attention_mask,
-                                                             ro.completion_mask, cfg.temperature)
-        ref_logp = token_logprobs(ref, ro.input_ids, ro.attention_mask, ro.completion_mask,
-                                  cfg.temperature) if ref is not None else None
-    times["logprob"], t = now(device) - t, now(device)
-
-    if loss_mask.sum() > 0:  # 6. update (every group equal: train.py skips it too)
-        batch = dict(input_ids=ro.input_ids, attention_mask=ro.attention_mask, completion_mask=ro.completion_mask,
-                     loss_mask=loss_mask, advantages=adv)
-        update(cfg, policy, opt, batch, behaviour_logp, ref_logp)
-    times["update"] = now(device) - t
-    times["tokens"] = int(ro.completion_mask.sum())
-    return times
+    return reward_fn
 
 
 def bench_ours(cfg: Config, args, model, tok, words) -> dict:
-    """Medians over --steps timed steps of our loop."""
+    """Medians over --steps timed steps of train.py's own step, `train.grpo_step`."""
     device = torch.device(cfg.device)
-    policy = model
-    sampler = copy.deepcopy(policy).requires_grad_(False).eval() if cfg.offpolicy_steps > 1 else None
-    ref = copy.deepcopy(policy).requires_grad_(False).eval() if cfg.beta > 0 else None
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    frozen = lambda: copy.deepcopy(model).requires_grad_(False).eval()  # noqa: E731
+    models = Models(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay),
+        sampler=frozen() if cfg.offpolicy_steps > 1 else None,
+        ref=frozen() if cfg.beta > 0 else None,
+    )
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    reward_gen = torch.Generator().manual_seed(cfg.seed + 1)
+    reward_fn = synthetic_reward(tok, cfg.group_size, torch.Generator().manual_seed(cfg.seed + 1))
+    fast = {"auto": None, "plain": False, "fast": True}[args.sampling]
     rng = random.Random(cfg.seed)
     rows = []
     for k in range(args.warmup + args.steps):
         if k == args.warmup and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         prompts, _ = make_prompts(tok, words, cfg.prompts_per_step, args.prompt_len, rng)
-        t = time.perf_counter()
-        times = grpo_step(cfg, args, k, policy, sampler, ref, opt, tok, prompts, gen, reward_gen)
-        times["step"] = now(device) - t
+        prompts = prompts.to(device)  # (B, P), no padding
+        t = now(device)
+        res = grpo_step(
+            cfg, models, tok, prompts, torch.ones_like(prompts), k, gen, reward_fn, ignore_eos=True, fast=fast
+        )
+        times = dict(res.times, step=now(device) - t, tokens=int(res.rollout.completion_mask.sum()))
         if k >= args.warmup:
             rows.append(times)
-    med = lambda key: statistics.median(r[key] for r in rows)
+    med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     step_s = med("step")
     return {
         "step_s": step_s,
@@ -230,15 +228,15 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
         "phases": {p: med(p) for p in PHASES},
         "tokens_per_s": med("tokens") / step_s,
         "peak_mem_gb": peak_mem_gb(device),
-        "sampling_path": sampling_path(sampler or policy, {"auto": None, "plain": False, "fast": True}[args.sampling]),
+        "sampling_path": sampling_path(models.sampler or models.policy, fast),
     }
 
 
 def bench_trl(cfg: Config, args, model_path: str, tok, words) -> dict:
     """Median seconds per step of TRL's GRPOTrainer on the same model and sizes (module docstring)."""
+    import trl
     from datasets import Dataset
     from transformers import PrinterCallback, TrainerCallback
-    import trl
     from trl import GRPOConfig, GRPOTrainer
 
     device = torch.device(cfg.device)
@@ -263,20 +261,42 @@ def bench_trl(cfg: Config, args, model_path: str, tok, words) -> dict:
 
     out = tempfile.mkdtemp(prefix="bench-trl-")
     gcfg = GRPOConfig(
-        output_dir=out, per_device_train_batch_size=mb, gradient_accumulation_steps=n // mb,
-        num_generations=cfg.group_size, max_completion_length=cfg.max_new_tokens,
-        generation_kwargs={"min_new_tokens": cfg.max_new_tokens}, temperature=cfg.temperature,
-        beta=cfg.beta, epsilon=cfg.clip_eps, learning_rate=cfg.lr, max_grad_norm=cfg.max_grad_norm,
-        num_iterations=1, max_steps=total, gradient_checkpointing=False, bf16=cfg.dtype == "bfloat16",
-        use_cpu=device.type == "cpu", report_to="none", save_strategy="no", eval_strategy="no",
-        logging_steps=10**9, disable_tqdm=True, shuffle_dataset=False, seed=cfg.seed,
+        output_dir=out,
+        per_device_train_batch_size=mb,
+        gradient_accumulation_steps=n // mb,
+        num_generations=cfg.group_size,
+        max_completion_length=cfg.max_new_tokens,
+        generation_kwargs={"min_new_tokens": cfg.max_new_tokens},
+        temperature=cfg.temperature,
+        beta=cfg.beta,
+        epsilon=cfg.clip_eps,
+        learning_rate=cfg.lr,
+        max_grad_norm=cfg.max_grad_norm,
+        num_iterations=1,
+        max_steps=total,
+        gradient_checkpointing=False,
+        bf16=cfg.dtype == "bfloat16",
+        use_cpu=device.type == "cpu",
+        report_to="none",
+        save_strategy="no",
+        eval_strategy="no",
+        logging_steps=10**9,
+        disable_tqdm=True,
+        shuffle_dataset=False,
+        seed=cfg.seed,
         model_init_kwargs={"dtype": torch.float32},
     )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     timer = StepTimer()
-    trainer = GRPOTrainer(model=model_path, reward_funcs=random_reward, args=gcfg,
-                          train_dataset=Dataset.from_dict({"prompt": texts}), processing_class=tok, callbacks=[timer])
+    trainer = GRPOTrainer(
+        model=model_path,
+        reward_funcs=random_reward,
+        args=gcfg,
+        train_dataset=Dataset.from_dict({"prompt": texts}),
+        processing_class=tok,
+        callbacks=[timer],
+    )
     trainer.remove_callback(PrinterCallback)  # its end-of-training metrics line would come after our table
     try:
         trainer.train()
@@ -284,18 +304,35 @@ def bench_trl(cfg: Config, args, model_path: str, tok, words) -> dict:
         shutil.rmtree(out, ignore_errors=True)
     steps = [b - a for a, b in zip(timer.ends, timer.ends[1:])][args.warmup :]  # step k = end(k) - end(k-1)
     lens = [len(x) for x in tok(texts[: cfg.prompts_per_step]).input_ids]
-    return {"step_s": statistics.median(steps), "steps": len(steps), "version": trl.__version__,
-            "prompt_len": statistics.fmean(lens), "peak_mem_gb": peak_mem_gb(device) if device.type == "cuda" else None}
+    return {
+        "step_s": statistics.median(steps),
+        "steps": len(steps),
+        "version": trl.__version__,
+        "prompt_len": statistics.fmean(lens),
+        "peak_mem_gb": peak_mem_gb(device) if device.type == "cuda" else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = resolve(Config(model=args.model, prompts_per_step=args.prompts, group_size=args.group,
-                         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                         offpolicy_steps=args.offpolicy_steps, beta=args.beta, micro_batch=args.micro_batch,
-                         seed=args.seed, device=args.device, dtype=args.dtype, out=tempfile.gettempdir()))
+    cfg = resolve(
+        Config(
+            model=args.model,
+            prompts_per_step=args.prompts,
+            group_size=args.group,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            offpolicy_steps=args.offpolicy_steps,
+            beta=args.beta,
+            micro_batch=args.micro_batch,
+            seed=args.seed,
+            device=args.device,
+            dtype=args.dtype,
+            out=tempfile.gettempdir(),
+        )
+    )
     validate(cfg)
     if args.steps < 1 or args.warmup < 0 or args.prompt_len < 1:
         raise SystemExit("error: --steps must be >= 1, --warmup >= 0, --prompt-len >= 1")
@@ -306,8 +343,11 @@ def main(argv: list[str] | None = None) -> int:
             import trl  # noqa: F401
         except ImportError:
             trl_ok = False
-            print("--vs-trl: TRL is not installed (pip install trl, or the project's [bench] extra); "
-                  "timing our loop only", flush=True)
+            print(
+                "--vs-trl: TRL is not installed (pip install trl, or the project's [bench] extra); "
+                "timing our loop only",
+                flush=True,
+            )
 
     model, tok, described = load_model(args.model, device, cfg.seed)
     words = prompt_words(tok)
@@ -322,11 +362,16 @@ def main(argv: list[str] | None = None) -> int:
     n = cfg.prompts_per_step * cfg.group_size
     ours = bench_ours(cfg, args, model, tok, words)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"bench: {described}, {n_params / 1e6:.1f}M parameters, {cfg.device}, {cfg.dtype}"
-          f", sampling path {ours['sampling_path']}")
-    print(f"B={cfg.prompts_per_step} G={cfg.group_size} N={n}, prompt {args.prompt_len} + {cfg.max_new_tokens} new tokens, "
-          f"beta {cfg.beta}, v={cfg.offpolicy_steps}, micro-batch {cfg.micro_batch or n}; "
-          f"median of {args.steps} steps after {args.warmup} warm-up")
+    print(
+        f"bench: {described}, {n_params / 1e6:.1f}M parameters, {cfg.device}, {cfg.dtype}"
+        f", sampling path {ours['sampling_path']}"
+    )
+    print(
+        f"B={cfg.prompts_per_step} G={cfg.group_size} N={n}, "
+        f"prompt {args.prompt_len} + {cfg.max_new_tokens} new tokens, "
+        f"beta {cfg.beta}, v={cfg.offpolicy_steps}, micro-batch {cfg.micro_batch or n}; "
+        f"median of {args.steps} steps after {args.warmup} warm-up"
+    )
     print(f"{'phase':<10}{'median s':>10}{'share':>8}")
     for p in PHASES:
         print(f"{p:<10}{ours['phases'][p]:>10.4f}{ours['phases'][p] / ours['step_s']:>8.1%}")
@@ -334,9 +379,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tokens/s {ours['tokens_per_s']:.0f}, peak memory {ours['peak_mem_gb']:.2f} GB")
 
     result = {k: ours[k] for k in ("step_s", "phases", "tokens_per_s", "peak_mem_gb", "sampling_path", "step_s_mean")}
-    result.update(model=args.model, device=cfg.device, dtype=cfg.dtype, prompts=cfg.prompts_per_step, group=cfg.group_size,
-                  prompt_len=args.prompt_len, max_new_tokens=cfg.max_new_tokens, beta=cfg.beta,
-                  offpolicy_steps=cfg.offpolicy_steps, micro_batch=cfg.micro_batch or n, steps=args.steps)
+    result.update(
+        model=args.model,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        prompts=cfg.prompts_per_step,
+        group=cfg.group_size,
+        prompt_len=args.prompt_len,
+        max_new_tokens=cfg.max_new_tokens,
+        beta=cfg.beta,
+        offpolicy_steps=cfg.offpolicy_steps,
+        micro_batch=cfg.micro_batch or n,
+        steps=args.steps,
+    )
     if model_dir is not None:
         print(json.dumps(result), flush=True)  # ours, in case TRL does not finish; the full line follows
         del model
@@ -350,11 +405,17 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(model_dir, ignore_errors=True)
         ratio = ours["step_s"] / theirs["step_s"]
         mem = f", peak memory {theirs['peak_mem_gb']:.2f} GB" if theirs["peak_mem_gb"] is not None else ""
-        print(f"TRL {theirs['version']} GRPOTrainer: step {theirs['step_s']:.4f} s (median of {theirs['steps']} after "
-              f"{args.warmup} warm-up; prompts re-tokenised to {theirs['prompt_len']:.1f} tokens){mem}")
+        print(
+            f"TRL {theirs['version']} GRPOTrainer: step {theirs['step_s']:.4f} s (median of {theirs['steps']} after "
+            f"{args.warmup} warm-up; prompts re-tokenised to {theirs['prompt_len']:.1f} tokens){mem}"
+        )
         print(f"ours / TRL = {ratio:.3f}")
-        result.update(trl_step_s=theirs["step_s"], ratio_vs_trl=ratio, trl_version=theirs["version"],
-                      trl_peak_mem_gb=theirs["peak_mem_gb"])
+        result.update(
+            trl_step_s=theirs["step_s"],
+            ratio_vs_trl=ratio,
+            trl_version=theirs["version"],
+            trl_peak_mem_gb=theirs["peak_mem_gb"],
+        )
     print(json.dumps(result), flush=True)
     return 0
 

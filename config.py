@@ -28,9 +28,15 @@ class Config:
     # --- model and task -------------------------------------------------------------------
     model: str = arg("tiny", "'tiny' (the built-in offline policy of tiny.py), a hub id, or a local folder")
     task: str = arg("arithmetic", "arithmetic (built-in, offline) or gsm8k", ["arithmetic", "gsm8k"])
-    data_files: str | None = arg(None, "local JSONL with 'question'/'answer' rows for --task gsm8k (instead of the hub)")
-    eval_files: str | None = arg(None, "local JSONL of held-out rows (default: the first --eval-size rows of --data-files)")
-    trust_remote_code: bool = arg(False, "allow a hub model's own Python code to run (off: only built-in architectures)")
+    data_files: str | None = arg(
+        None, "local JSONL with 'question'/'answer' rows for --task gsm8k (instead of the hub)"
+    )
+    eval_files: str | None = arg(
+        None, "local JSONL of held-out rows (default: the first --eval-size rows of --data-files)"
+    )
+    trust_remote_code: bool = arg(
+        False, "allow a hub model's own Python code to run (off: only built-in architectures)"
+    )
     # --- sampling (steps 1-2) -----------------------------------------------------------------
     steps: int = arg(400, "training steps")
     prompts_per_step: int = arg(16, "B, prompts per step")
@@ -39,24 +45,37 @@ class Config:
     temperature: float = arg(1.0, "sampling temperature tau; log-probs are computed from logits / tau")
     offpolicy_steps: int = arg(1, "v, the sampler is refreshed from the policy every v steps (1 = on-policy)")
     # --- advantages (step 4) ----------------------------------------------------------------------
-    mask_zero_std: bool = arg(True, "drop groups whose rewards are all equal from the loss and its normaliser "
-                                    "(--no-mask-zero-std keeps them)")
+    mask_zero_std: bool = arg(
+        True, "drop groups whose rewards are all equal from the loss and its normaliser (--no-mask-zero-std keeps them)"
+    )
     asymre_shift: float = arg(0.0, "AsymRE of [B]: baseline mean(r) - shift, advantages not divided by std")
-    red: str = arg("none", "data shaping of [B]: none, drop (RED-Drop), weight (RED-Weight)", ["none", "drop", "weight"])
+    red: str = arg(
+        "none", "data shaping of [B]: none, drop (RED-Drop), weight (RED-Weight)", ["none", "drop", "weight"]
+    )
     red_tau: float = arg(1.0, "tau of RED-Weight, A <- A * exp(A / tau)")
-    reward_shuffle: bool = arg(False, "a null control for experiments: deal the step's N rewards to its samples in "
-                                      "random order before the advantages (same reward rate, no signal)")
+    reward_shuffle: bool = arg(
+        False,
+        "a null control for experiments: deal the step's N rewards to its samples in "
+        "random order before the advantages (same reward rate, no signal)",
+    )
     # --- objective (step 6) -----------------------------------------------------------------
-    loss: str = arg("grpo", "grpo (clipped surrogate), rec, rec-is, opmd (the REINFORCE family of [B])",
-                    ["grpo", "rec", "rec-is", "opmd"])
+    loss: str = arg(
+        "grpo",
+        "grpo (clipped surrogate), rec, rec-is, opmd (the REINFORCE family of [B])",
+        ["grpo", "rec", "rec-is", "opmd"],
+    )
     clip_eps: float = arg(0.2, "eps_low, the lower clip width")
     clip_eps_high: float | None = arg(None, "eps_high, the upper clip width (default: --clip-eps)")
-    clip_center: str = arg("current", "centre of the clip interval: current (rho' of [A]) or behaviour (1, PPO)",
-                           ["current", "behaviour"])
+    clip_center: str = arg(
+        "current", "centre of the clip interval: current (rho' of [A]) or behaviour (1, PPO)", ["current", "behaviour"]
+    )
     beta: float = arg(0.0, "KL coefficient; > 0 keeps a reference model pi_ref")
     ref_refresh: int = arg(0, "copy the policy into pi_ref every this many steps (0 = never)")
-    agg: str = arg("token-mean", "loss aggregation: token-mean, seq-mean (GRPO), constant (Dr. GRPO)",
-                   ["token-mean", "seq-mean", "constant"])
+    agg: str = arg(
+        "token-mean",
+        "loss aggregation: token-mean, seq-mean (GRPO), constant (Dr. GRPO)",
+        ["token-mean", "seq-mean", "constant"],
+    )
     tau_reg: float = arg(0.1, "OPMD's regulariser, (tau_reg / 2) * (logp - behaviour_logp)^2")
     # --- optimisation ---------------------------------------------------------------------
     lr: float = arg(5e-5, "AdamW learning rate (1e-4 and above were unstable on the built-in task)")
@@ -65,18 +84,27 @@ class Config:
     inner_steps: int = arg(1, "optimizer steps on each batch ([A]'s i); > 1 reuses samples")
     micro_batch: int | None = arg(None, "sequences per forward/backward chunk (default: the whole batch N)")
     # --- built-in tiny policy -------------------------------------------------------------------
-    warmup_steps: int = arg(1000, "supervised warm-up steps of the tiny policy: 1000 loads the shipped "
-                            "tiny_policy/, any other number warms up here (cached)")
+    warmup_steps: int = arg(
+        1000,
+        "supervised warm-up steps of the tiny policy: 1000 loads the shipped "
+        "tiny_policy/, any other number warms up here (cached)",
+    )
     cache_dir: str = arg(".cache", "where a tiny policy warmed up here is cached")
     # --- evaluation, logging, output ---------------------------------------------------------
     eval_every: int = arg(50, "held-out greedy accuracy every this many steps (0 = start and end only)")
     eval_size: int = arg(500, "held-out problems evaluated")
     seed: int = arg(0, "seed of the data order, the sampler and everything else")
     device: str = arg("auto", "auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
-    dtype: str = arg("auto", "auto (bfloat16 autocast on cuda, float32 on cpu), float32, bfloat16",
-                     ["auto", "float32", "bfloat16"])
+    dtype: str = arg(
+        "auto", "auto (bfloat16 autocast on cuda, float32 on cpu), float32, bfloat16", ["auto", "float32", "bfloat16"]
+    )
     out: str | None = arg(None, "output folder (default: runs/<timestamp>)")
     progress: bool = arg(True, "the tqdm progress bar (--no-progress hides it)")
+    report_to: str = arg(
+        "none",
+        "also log every metric to: none, or tensorboard (optional extra; event files in --out/tensorboard)",
+        ["none", "tensorboard"],
+    )
     # --- checkpoints ------------------------------------------------------------------------
     save_every: int = arg(0, "write a checkpoint every this many steps into --out/checkpoints (0 = never)")
     keep_checkpoints: int = arg(2, "how many of the newest checkpoints to keep")
@@ -89,8 +117,10 @@ class Config:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="On- and off-policy GRPO (python train.py --offpolicy-steps 4)",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description="On- and off-policy GRPO (python train.py --offpolicy-steps 4)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
         help_ = f.metadata["help"]  # choices are checked by validate(), with a one-line error
@@ -166,13 +196,17 @@ def validate(cfg: Config) -> None:
     for f in fields(Config):
         value, choices = getattr(cfg, f.name), f.metadata["choices"]
         if choices and value not in choices:
-            raise ConfigError(f"--{f.name.replace('_', '-')}: unknown value {value!r}; choose from {', '.join(choices)}")
+            raise ConfigError(
+                f"--{f.name.replace('_', '-')}: unknown value {value!r}; choose from {', '.join(choices)}"
+            )
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
     n = cfg.prompts_per_step * cfg.group_size
     if cfg.micro_batch is not None and (cfg.micro_batch < 1 or n % cfg.micro_batch != 0):
-        raise ConfigError(f"--micro-batch {cfg.micro_batch} must divide the batch N = prompts-per-step * group-size = {n}")
+        raise ConfigError(
+            f"--micro-batch {cfg.micro_batch} must divide the batch N = prompts-per-step * group-size = {n}"
+        )
     if cfg.ref_refresh and cfg.beta == 0:
         raise ConfigError("--ref-refresh needs --beta > 0 (without KL there is no reference model)")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():

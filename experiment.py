@@ -71,28 +71,54 @@ CSV_COLUMNS = ["config", *CONFIG_COLUMNS, "seed", "step", "wall_s", "eval_accura
 
 # Defaults of the full sweep and of --quick; a flag given explicitly wins over both.
 # Full: 60 runs x 250 steps, ~35-45 s a run (v1-inner4: ~105 s), measured 2600 + 217 s = 47 min on 2 CPU cores.
-FULL = dict(configs=list(CONFIGS), seeds=[0, 1, 2], lrs=[5e-5, 1e-4], steps=250, eval_every=50,
-            eval_size=500, out_dir="results", runs_dir="runs/experiment")
-QUICK = dict(configs=["v1", "v4", "rec-v4", "opmd-v4", "v1-shuffled-rewards"], seeds=[0, 1], lrs=[5e-5], steps=60, eval_every=20,
-             eval_size=200, out_dir="results/quick", runs_dir="runs/experiment-quick")
+FULL = dict(
+    configs=list(CONFIGS),
+    seeds=[0, 1, 2],
+    lrs=[5e-5, 1e-4],
+    steps=250,
+    eval_every=50,
+    eval_size=500,
+    out_dir="results",
+    runs_dir="runs/experiment",
+)
+QUICK = dict(
+    configs=["v1", "v4", "rec-v4", "opmd-v4", "v1-shuffled-rewards"],
+    seeds=[0, 1],
+    lrs=[5e-5],
+    steps=60,
+    eval_every=20,
+    eval_size=200,
+    out_dir="results/quick",
+    runs_dir="runs/experiment-quick",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     # --- the sweep --------------------------------------------------------------------------
     p.add_argument("--quick", action="store_true", help=f"a few-minute variant: {QUICK}")
-    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), help=f"subset of configs (default: all {len(CONFIGS)})")
+    p.add_argument(
+        "--configs", nargs="+", choices=list(CONFIGS), help=f"subset of configs (default: all {len(CONFIGS)})"
+    )
     p.add_argument("--seeds", nargs="+", type=int, help="seeds per config and lr (default 0 1 2)")
     p.add_argument("--lrs", nargs="+", type=float, help="learning rates (default 5e-5 1e-4; 1e-4 is aggressive here)")
     # --- each run ----------------------------------------------------------------------------
     p.add_argument("--steps", type=int, help="training steps per run, the same budget for every config (default 250)")
     p.add_argument("--eval-every", type=int, help="held-out accuracy every this many steps (default 50)")
     p.add_argument("--eval-size", type=int, help="held-out problems per evaluation (default 500)")
-    p.add_argument("--warmup-steps", type=int, default=Config.warmup_steps, help="supervised warm-up of the tiny policy (cached)")
+    p.add_argument(
+        "--warmup-steps", type=int, default=Config.warmup_steps, help="supervised warm-up of the tiny policy (cached)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 keeps shared cores from thrashing)")
-    p.add_argument("--cache-dir", default=Config.cache_dir, help="where the warmed-up tiny policy is cached, shared by all runs")
+    p.add_argument(
+        "--cache-dir", default=Config.cache_dir, help="where the warmed-up tiny policy is cached, shared by all runs"
+    )
     # --- output ------------------------------------------------------------------------------
-    p.add_argument("--out-dir", help="where offpolicy.csv/.png and offpolicy_table.md go (default results, quick: results/quick)")
+    p.add_argument(
+        "--out-dir", help="where offpolicy.csv/.png and offpolicy_table.md go (default results, quick: results/quick)"
+    )
     p.add_argument("--runs-dir", help="per-run folders (default runs/experiment, quick: runs/experiment-quick)")
     p.add_argument("--fresh", action="store_true", help="rerun every run, even one whose summary.json exists")
     return p
@@ -109,9 +135,20 @@ def settings(argv: list[str] | None) -> argparse.Namespace:
 
 def run_config(args, name: str, lr: float, seed: int) -> Config:
     out = Path(args.runs_dir) / f"{name}-lr{lr:g}-s{seed}"
-    return resolve(Config(**CONFIGS[name], lr=lr, seed=seed, steps=args.steps, eval_every=args.eval_every,
-                          eval_size=args.eval_size, warmup_steps=args.warmup_steps, cache_dir=args.cache_dir,
-                          out=str(out), progress=False))
+    return resolve(
+        Config(
+            **CONFIGS[name],
+            lr=lr,
+            seed=seed,
+            steps=args.steps,
+            eval_every=args.eval_every,
+            eval_size=args.eval_size,
+            warmup_steps=args.warmup_steps,
+            cache_dir=args.cache_dir,
+            out=str(out),
+            progress=False,
+        )
+    )
 
 
 def finished(cfg: Config) -> bool:
@@ -136,11 +173,23 @@ def run_rows(name: str, cfg: Config) -> list[dict]:
     summary = json.loads((out / "summary.json").read_text())
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     base = {"config": name, **{c: getattr(cfg, c) for c in CONFIG_COLUMNS}, "seed": cfg.seed}
-    rows = [{**base, "step": 0, "wall_s": 0.0, "eval_accuracy": summary["eval_accuracy_start"], "reward": "", "clip_frac": ""}]
+    rows = [
+        {
+            **base,
+            "step": 0,
+            "wall_s": 0.0,
+            "eval_accuracy": summary["eval_accuracy_start"],
+            "reward": "",
+            "clip_frac": "",
+        }
+    ]
     rewards, clips = [], []
 
     def since_last_eval() -> dict:
-        out = {"reward": statistics.fmean(rewards) if rewards else "", "clip_frac": statistics.fmean(clips) if clips else ""}
+        out = {
+            "reward": statistics.fmean(rewards) if rewards else "",
+            "clip_frac": statistics.fmean(clips) if clips else "",
+        }
         rewards.clear(), clips.clear()
         return out
 
@@ -150,10 +199,24 @@ def run_rows(name: str, cfg: Config) -> list[dict]:
         if "clip_low" in m:  # steps that ran an update with a clipped loss
             clips.append(m["clip_low"] + m["clip_high"])
         if "eval_accuracy" in m:  # logged after step m["step"], i.e. after m["step"] + 1 completed steps
-            rows.append({**base, "step": m["step"] + 1, "wall_s": m["wall_s"], "eval_accuracy": m["eval_accuracy"],
-                         **since_last_eval()})
-    rows.append({**base, "step": summary["steps"], "wall_s": summary["wall_s"], "eval_accuracy": summary["eval_accuracy_end"],
-                 **since_last_eval()})
+            rows.append(
+                {
+                    **base,
+                    "step": m["step"] + 1,
+                    "wall_s": m["wall_s"],
+                    "eval_accuracy": m["eval_accuracy"],
+                    **since_last_eval(),
+                }
+            )
+    rows.append(
+        {
+            **base,
+            "step": summary["steps"],
+            "wall_s": summary["wall_s"],
+            "eval_accuracy": summary["eval_accuracy_end"],
+            **since_last_eval(),
+        }
+    )
     return rows
 
 
@@ -187,27 +250,32 @@ def sweep(args) -> tuple[list[dict], list[str]]:
                 continue
         r = run_rows(name, cfg)
         rows += r
-        print(f"{tag}  held-out acc {r[0]['eval_accuracy']:.3f} -> {r[-1]['eval_accuracy']:.3f} "
-              f"({r[-1]['eval_accuracy'] - r[0]['eval_accuracy']:+.3f})  {r[-1]['wall_s']:6.1f} s"
-              + ("  (existing run)" if reused else ""), flush=True)
+        print(
+            f"{tag}  held-out acc {r[0]['eval_accuracy']:.3f} -> {r[-1]['eval_accuracy']:.3f} "
+            f"({r[-1]['eval_accuracy'] - r[0]['eval_accuracy']:+.3f})  {r[-1]['wall_s']:6.1f} s"
+            + ("  (existing run)" if reused else ""),
+            flush=True,
+        )
     return rows, failed
 
 
 def _mean_sd(xs: list[float], signed: bool = False) -> str:
-    """"mean ± sample std" (std 0 for a single value); `signed` writes the mean's sign, for differences."""
+    """ "mean ± sample std" (std 0 for a single value); `signed` writes the mean's sign, for differences."""
     return f"{statistics.fmean(xs):{'+' if signed else ''}.3f} ± {statistics.stdev(xs) if len(xs) > 1 else 0.0:.3f}"
 
 
 def summary_table(rows: list[dict], args, baseline: str = "v1") -> str:
     """Markdown table per config and lr, over seeds (mean ± sample std):
-      final      held-out accuracy after the last step;
-      vs v1      final minus the on-policy baseline's final *at the same seed* (same start policy and
-                 prompt stream), so the shared part of the seed-to-seed noise cancels;
-      late       mean of the last three eval points per run (less held-out sampling noise than one point);
-      clipped    mean fraction of loss tokens whose clip was active over the run (— without a clip);
-      wall       seconds per run, evaluations included."""
-    lines = [f"| config | lr | seeds | final accuracy | vs {baseline}, same seed | last 3 evals | clipped tokens | wall s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    final      held-out accuracy after the last step;
+    vs v1      final minus the on-policy baseline's final *at the same seed* (same start policy and
+               prompt stream), so the shared part of the seed-to-seed noise cancels;
+    late       mean of the last three eval points per run (less held-out sampling noise than one point);
+    clipped    mean fraction of loss tokens whose clip was active over the run (— without a clip);
+    wall       seconds per run, evaluations included."""
+    lines = [
+        f"| config | lr | seeds | final accuracy | vs {baseline}, same seed | last 3 evals | clipped tokens | wall s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for lr in args.lrs:
         final = {}  # (name, seed) -> final accuracy
         for r in rows:
@@ -220,14 +288,21 @@ def summary_table(rows: list[dict], args, baseline: str = "v1") -> str:
                 continue
             ends = [final[name, s] for s in seeds]
             paired = [final[name, s] - final[baseline, s] for s in seeds if (baseline, s) in final]
-            late = [statistics.fmean(r["eval_accuracy"] for r in sorted((r for r in runs if r["seed"] == s),
-                                                                       key=lambda r: r["step"])[-3:]) for s in seeds]
+            late = [
+                statistics.fmean(
+                    r["eval_accuracy"]
+                    for r in sorted((r for r in runs if r["seed"] == s), key=lambda r: r["step"])[-3:]
+                )
+                for s in seeds
+            ]
             clips = [r["clip_frac"] for r in runs if r["step"] > 0 and r["clip_frac"] != ""]
             walls = [r["wall_s"] for r in runs if r["step"] == args.steps]
             vs = "—" if name == baseline or not paired else _mean_sd(paired, signed=True)
             clip = f"{100 * statistics.fmean(clips):.2f}%" if clips else "—"
-            lines.append(f"| {name} | {lr:g} | {len(seeds)} | {_mean_sd(ends)} | {vs} | {_mean_sd(late)} | "
-                         f"{clip} | {statistics.fmean(walls):.0f} |")
+            lines.append(
+                f"| {name} | {lr:g} | {len(seeds)} | {_mean_sd(ends)} | {vs} | {_mean_sd(late)} | "
+                f"{clip} | {statistics.fmean(walls):.0f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -243,8 +318,14 @@ def plot(rows: list[dict], args, path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     colours = plt.get_cmap("tab10")
-    fig, axes = plt.subplots(len(args.lrs), 3, figsize=(17, 4.4 * len(args.lrs)), squeeze=False, sharey=True,
-                             gridspec_kw={"width_ratios": [1, 1, 0.55]})
+    fig, axes = plt.subplots(
+        len(args.lrs),
+        3,
+        figsize=(17, 4.4 * len(args.lrs)),
+        squeeze=False,
+        sharey=True,
+        gridspec_kw={"width_ratios": [1, 1, 0.55]},
+    )
     for row, lr in enumerate(args.lrs):
         names = [n for n in args.configs if any(r["config"] == n and r["lr"] == lr for r in rows)]
         for i, name in enumerate(names):
@@ -258,8 +339,9 @@ def plot(rows: list[dict], args, path: Path) -> bool:
             wall = [statistics.fmean(r["wall_s"] for r in at[s]) for s in steps]
             # Colour by position in CONFIGS, so a config keeps its colour in any subset (--configs, --quick);
             # [A]'s GRPO configs solid, [B]'s REINFORCE losses dashed.
-            style = dict(color=colours(list(CONFIGS).index(name) % 10),
-                         linestyle="--" if CONFIGS[name].get("loss") else "-")
+            style = dict(
+                color=colours(list(CONFIGS).index(name) % 10), linestyle="--" if CONFIGS[name].get("loss") else "-"
+            )
             for col, x in enumerate((steps, wall)):  # the same points against steps, then seconds
                 ax = axes[row][col]
                 ax.plot(x, mean, marker="o", markersize=3, label=name, **style)
@@ -279,10 +361,19 @@ def plot(rows: list[dict], args, path: Path) -> bool:
             ax.grid(alpha=0.3)
         axes[row][0].set_ylabel("held-out greedy accuracy")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center right", fontsize=9, title="config\n(line: seed mean,\nband: min-max)", title_fontsize=9)
+    fig.legend(
+        handles,
+        labels,
+        loc="center right",
+        fontsize=9,
+        title="config\n(line: seed mean,\nband: min-max)",
+        title_fontsize=9,
+    )
     n_seeds = len(args.seeds)
-    fig.suptitle(f"On- vs off-policy GRPO and [B]'s REINFORCE family, built-in arithmetic task "
-                 f"({n_seeds} seeds, {args.steps} steps, {args.eval_size} held-out problems)")
+    fig.suptitle(
+        f"On- vs off-policy GRPO and [B]'s REINFORCE family, built-in arithmetic task "
+        f"({n_seeds} seeds, {args.steps} steps, {args.eval_size} held-out problems)"
+    )
     fig.tight_layout(rect=(0, 0, 0.885, 1))  # the right margin holds the legend
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -292,7 +383,10 @@ def plot(rows: list[dict], args, path: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = settings(argv)
     if args.steps < 1 or args.eval_every < 0 or args.eval_size < 1 or not args.seeds or not args.lrs:
-        print("error: --steps and --eval-size must be >= 1, --eval-every >= 0, and --seeds/--lrs non-empty", file=sys.stderr)
+        print(
+            "error: --steps and --eval-size must be >= 1, --eval-every >= 0, and --seeds/--lrs non-empty",
+            file=sys.stderr,
+        )
         return 2
     t0 = time.time()
     rows, failed = sweep(args)

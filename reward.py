@@ -43,9 +43,9 @@ Deviations from the usual lenient graders, numbered
 import re
 from fractions import Fraction
 
-WINDOW = 4096            # characters of the completion's tail that are read (deviation 1)
-MAX_DIGITS = 100         # digits in one number; more -> not a number (deviation 3)
-MAX_NUMBER_CHARS = 256   # an answer string longer than this cannot be a <=100-digit number
+WINDOW = 4096  # characters of the completion's tail that are read (deviation 1)
+MAX_DIGITS = 100  # digits in one number; more -> not a number (deviation 3)
+MAX_NUMBER_CHARS = 256  # an answer string longer than this cannot be a <=100-digit number
 
 # Tokens of the \boxed scan: an opening `\boxed{`, or any other brace. An alternation of fixed
 # strings and a one-character class: finditer is linear in the window, nothing can backtrack.
@@ -93,18 +93,18 @@ def parse_number(s: str) -> Fraction | None:
     """
     if not isinstance(s, str) or len(s) > MAX_NUMBER_CHARS:
         return None
-    s = s.replace("\u2212", "-")                       # U+2212 MINUS SIGN, as LaTeX renders it
+    s = s.replace("\u2212", "-")  # U+2212 MINUS SIGN, as LaTeX renders it
     if _SPLIT_DIGITS.search(s):
         return None
-    s = "".join(s.split())                             # all whitespace, Unicode spaces included
+    s = "".join(s.split())  # all whitespace, Unicode spaces included
     for old, new in _LATEX_MARKS:
         s = s.replace(old, new)
-    if s.endswith("."):                                # "#### 42." ends a sentence
+    if s.endswith("."):  # "#### 42." ends a sentence
         s = s[:-1]
-    if s.endswith("%"):                                # deviation 2: 50% == 50
+    if s.endswith("%"):  # deviation 2: 50% == 50
         s = s[:-1]
     sign = 1
-    if s and s[0] in "+-":                             # one sign only: "--3" and "+-3" fail below
+    if s and s[0] in "+-":  # one sign only: "--3" and "+-3" fail below
         sign, s = (-1 if s[0] == "-" else 1), s[1:]
     m = _FRAC.fullmatch(s)
     if m is not None:
@@ -112,12 +112,12 @@ def parse_number(s: str) -> Fraction | None:
         num, den = (_decimal(g[1:-1] if g[0] == "{" else g, signed=True) for g in m.groups())
     elif "/" in s:
         parts = s.split("/")
-        if len(parts) != 2:                            # "1/2/3" is not a simple fraction
+        if len(parts) != 2:  # "1/2/3" is not a simple fraction
             return None
         num, den = _decimal(parts[0]), _decimal(parts[1])
     else:
         num, den = _decimal(s), Fraction(1)
-    if num is None or den is None or den == 0:         # den == 0: 1/0 is not a number, no error
+    if num is None or den is None or den == 0:  # den == 0: 1/0 is not a number, no error
         return None
     return sign * num / den
 
@@ -131,7 +131,7 @@ def _last_boxed(tail: str) -> str | None:
     (unterminated) are simply never recorded; a stray `}` with nothing open is ignored.
     """
     stack: list[int] = []
-    best: tuple[int, int] | None = None               # (content start, content end)
+    best: tuple[int, int] | None = None  # (content start, content end)
     for m in _BOX_TOKENS.finditer(tail):
         tok = m.group()
         if tok != "}":
@@ -141,7 +141,7 @@ def _last_boxed(tail: str) -> str | None:
             # Largest start = the box that opens last: the later of two boxes, the inner of nested.
             if start >= 0 and (best is None or start > best[0]):
                 best = (start, m.start())
-    return None if best is None else tail[best[0]:best[1]]
+    return None if best is None else tail[best[0] : best[1]]
 
 
 def extract_answer(text: str) -> str | None:
@@ -158,12 +158,12 @@ def extract_answer(text: str) -> str | None:
     """
     if not isinstance(text, str):
         return None
-    tail = text[-WINDOW:]                              # deviation 1: bounded work for any length
+    tail = text[-WINDOW:]  # deviation 1: bounded work for any length
     i = tail.rfind("####")
     if i >= 0:
         # Rest of that line. rfind gives the last occurrence, so "##### 5" reads "5" as well.
         # An empty last `####` is final too: it does not fall back to an earlier answer.
-        rest = tail[i + 4:].split("\n", 1)[0].split("\r", 1)[0]
+        rest = tail[i + 4 :].split("\n", 1)[0].split("\r", 1)[0]
         return rest.strip() or None
     boxed = _last_boxed(tail)
     if boxed is not None:

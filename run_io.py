@@ -5,6 +5,8 @@ Output folder (--out):
     metrics.jsonl   one JSON object per step (README: "Metrics")
     final/          the trained policy and tokenizer, `save_pretrained` format
     summary.json    held-out accuracy before/after, steps, wall time
+    curves.png      reward, held-out accuracy, KL, clip fractions, rho' and entropy over steps (with matplotlib)
+    tensorboard/    the same scalars as TensorBoard event files (with --report-to tensorboard)
 Everything is written to a temporary name first and renamed into place, so a crash never
 leaves a half-written file that looks complete.
 """
@@ -76,8 +78,9 @@ def load_policy(cfg: Config, log=print):
 
         try:
             tok = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-            model = AutoModelForCausalLM.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code,
-                                                         dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.model, trust_remote_code=cfg.trust_remote_code, dtype=torch.float32
+            )
         except Exception as e:  # transformers raises many types here; all mean "cannot load"
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(f"--model {cfg.model}: cannot be loaded ({first[:200]})") from None
@@ -99,6 +102,13 @@ class RunWriter:
         atomic_write_text(self.out / "config.json", json.dumps(asdict(cfg), indent=2) + "\n")
         # A fresh run starts a fresh log; a resumed one appends (after truncate_metrics).
         self._metrics = open(self.out / "metrics.jsonl", "a" if cfg.resume else "w")
+        self._tb = None
+        if cfg.report_to == "tensorboard":
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("--report-to tensorboard: install the tensorboard package first") from None
+            self._tb = SummaryWriter(str(self.out / "tensorboard"))
 
     def log(self, msg: str) -> None:
         from tqdm import tqdm
@@ -108,6 +118,10 @@ class RunWriter:
     def metrics(self, row: dict) -> None:
         self._metrics.write(json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()}) + "\n")
         self._metrics.flush()
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(f"grpo/{key}", value, row["step"])
 
     def truncate_metrics(self, step: int) -> None:
         """On resume: keep only the rows of steps before `step`, so no step is logged twice."""
@@ -119,5 +133,57 @@ class RunWriter:
 
     def finish(self, model, tokenizer, summary: dict) -> None:
         self._metrics.close()
+        if self._tb is not None:
+            self._tb.close()
         atomic_save_pretrained(model, tokenizer, self.out / "final")
         atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+        try:
+            write_curves(self.out, summary)
+        except ImportError:
+            self.log("curves.png not drawn: matplotlib is not installed (pip install matplotlib)")
+
+
+# One panel per quantity: (title, y label, metrics.jsonl keys drawn in it).
+PANELS = [
+    ("reward", "mean reward of the step's samples", ["reward"]),
+    ("held-out accuracy", "greedy accuracy", ["eval_accuracy"]),
+    ("KL to pi_ref", "mean k3 KL", ["kl"]),
+    ("clip fractions", "fraction of valid tokens", ["clip_low", "clip_high"]),
+    ("staleness", "rho' = pi_k / alpha", ["rho_prime_max", "rho_prime_mean"]),
+    ("entropy", "nats per token", ["entropy"]),
+]
+
+
+def write_curves(out: Path, summary: dict) -> Path:
+    """Draw metrics.jsonl as curves.png (needs matplotlib; ImportError otherwise), one panel per quantity."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5), constrained_layout=True)
+    for ax, (title, ylabel, keys) in zip(axes.flat, PANELS):
+        for key in keys:
+            points = [(r["step"] + 1, r[key]) for r in rows if key in r]
+            if key == "eval_accuracy":
+                # Evaluations run after a step; the start and end values come from summary.json.
+                points = [
+                    (0, summary["eval_accuracy_start"]),
+                    *points,
+                    (summary["steps"], summary["eval_accuracy_end"]),
+                ]
+                ax.plot(*zip(*points), marker="o", label=key)
+            elif points:
+                ax.plot(*zip(*points), linewidth=0.8, label=key)
+        ax.set(title=title, xlabel="step", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+        if len(keys) > 1:
+            ax.legend(fontsize=8)
+    fig.suptitle(
+        f"{out.name}: held-out accuracy {summary['eval_accuracy_start']:.3f} -> {summary['eval_accuracy_end']:.3f}"
+    )
+    path = out / "curves.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -42,7 +42,12 @@ class Problem:
 
 def arithmetic_problems() -> tuple[list[Problem], list[Problem]]:
     """All arithmetic problems, split into (train, held-out) by a fixed shuffle."""
-    probs = [Problem(f"{a}{op}{b}=", str(f(a, b))) for op, f in (("+", int.__add__), ("-", int.__sub__)) for a in range(100) for b in range(100)]
+    probs = [
+        Problem(f"{a}{op}{b}=", str(f(a, b)))
+        for op, f in (("+", int.__add__), ("-", int.__sub__))
+        for a in range(100)
+        for b in range(100)
+    ]
     probs += [Problem(f"{a}*{b}=", str(a * b)) for a in range(13) for b in range(13)]
     random.Random(HELDOUT_SEED).shuffle(probs)
     return probs[ARITHMETIC_HELDOUT:], probs[:ARITHMETIC_HELDOUT]
@@ -70,7 +75,11 @@ def read_jsonl(path: str) -> list[Problem]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise TaskError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
+            if (
+                not isinstance(row, dict)
+                or not isinstance(row.get("question"), str)
+                or not isinstance(row.get("answer"), str)
+            ):
                 raise TaskError(f"{path}:{i}: row needs string fields 'question' and 'answer'")
             gold = gold_from_solution(row["answer"])
             if gold is None:
@@ -101,7 +110,9 @@ def load_task(
                 heldout = read_jsonl(eval_files)
             else:
                 if len(train) <= eval_size:
-                    raise TaskError(f"--data-files: {data_files} has {len(train)} rows; need more than --eval-size={eval_size}")
+                    raise TaskError(
+                        f"--data-files: {data_files} has {len(train)} rows; need more than --eval-size={eval_size}"
+                    )
                 train, heldout = train[eval_size:], train[:eval_size]
         else:
             train, heldout = _hub_gsm8k("train"), _hub_gsm8k("test")
@@ -137,6 +148,8 @@ def fit_context(tokenizer, problems: list[Problem], max_prompt_tokens: int, what
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     kept = [p for p, n in zip(problems, lengths) if n <= max_prompt_tokens]
     if not kept:
-        raise TaskError(f"every {what} prompt is longer than the model's context allows ({max_prompt_tokens} tokens "
-                        f"once --max-new-tokens is reserved)")
+        raise TaskError(
+            f"every {what} prompt is longer than the model's context allows ({max_prompt_tokens} tokens "
+            f"once --max-new-tokens is reserved)"
+        )
     return kept, len(problems) - len(kept)

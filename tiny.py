@@ -22,16 +22,14 @@ real path.
 
 import argparse
 import math
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from run_io import atomic_save_pretrained
 from tasks import Problem, arithmetic_problems
 
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
@@ -86,7 +84,9 @@ def sft_batch(tokenizer, problems: list[Problem]) -> tuple[torch.Tensor, torch.T
     return ids, mask, lab
 
 
-def warm_up(model, tokenizer, steps: int, batch_size: int = 128, lr: float = 1e-3, seed: int = 0, final_lr_frac: float = 1.0) -> list[float]:
+def warm_up(
+    model, tokenizer, steps: int, batch_size: int = 128, lr: float = 1e-3, seed: int = 0, final_lr_frac: float = 1.0
+) -> list[float]:
     """Supervised steps on the arithmetic training split; returns the loss of each step.
 
     The default schedule is a 50-step linear warm-up, then a constant learning rate: the policy
@@ -100,7 +100,9 @@ def warm_up(model, tokenizer, steps: int, batch_size: int = 128, lr: float = 1e-
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     # Linear warm-up over 50 steps, then cosine decay to final_lr_frac of the peak.
     lo = final_lr_frac
-    shape = lambda s: min(1.0, (s + 1) / 50) * (lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * min(s / max(steps, 1), 1.0))))
+    shape = lambda s: (
+        min(1.0, (s + 1) / 50) * (lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * min(s / max(steps, 1), 1.0))))
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, shape)
     model.train()
     losses = []
@@ -122,27 +124,6 @@ def cache_path(cache_dir: str, warmup_steps: int) -> Path:
     return Path(cache_dir) / f"tiny-v{VERSION}-warmup{warmup_steps}"
 
 
-def save_atomically(model, tokenizer, path: Path) -> None:
-    """`save_pretrained` into a temporary folder beside `path`, then rename it into place: an interrupted
-    write never leaves a half-written model that a later run would load."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if path.exists():  # a rebuild: the old folder leaves in one rename, the new one arrives in another
-            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=".old-"))
-            os.replace(path, old / path.name)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)  # atomic on one filesystem
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (path / "config.json").is_file():  # a concurrent build may have won the rename
-            raise
-
-
 def load_tiny(cache_dir: str, warmup_steps: int, log=print):
     """The warmed-up tiny policy and its tokenizer: shipped, cached, or built here (then cached).
 
@@ -160,7 +141,8 @@ def load_tiny(cache_dir: str, warmup_steps: int, log=print):
     tokenizer = build_tokenizer()
     model = build_model(tokenizer)
     warm_up(model, tokenizer, warmup_steps)
-    save_atomically(model, tokenizer, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_save_pretrained(model, tokenizer, path)  # an interrupted build leaves no half-written model
     return model, tokenizer
 
 
@@ -169,13 +151,16 @@ def rebuild(out: Path = SHIPPED, steps: int = SHIPPED_WARMUP, log=print) -> None
     tok = build_tokenizer()
     policy = build_model(tok)
     losses = warm_up(policy, tok, steps)
-    save_atomically(policy, tok, Path(out))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    atomic_save_pretrained(policy, tok, Path(out))
     log(f"tiny policy: {steps} warm-up steps, final loss {losses[-1]:.4f}, written to {out}")
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Rebuild the shipped tiny policy: the supervised warm-up, then "
-                                     "save_pretrained into tiny_policy/ (the result depends on this CPU's kernels).")
+    parser = argparse.ArgumentParser(
+        description="Rebuild the shipped tiny policy: the supervised warm-up, then "
+        "save_pretrained into tiny_policy/ (the result depends on this CPU's kernels)."
+    )
     parser.add_argument("--rebuild", action="store_true", help="run the warm-up and rewrite the shipped folder")
     parser.add_argument("--out", default=str(SHIPPED), help="where to write it (default: the shipped folder)")
     if not parser.parse_args().rebuild:

@@ -1,11 +1,12 @@
 """bench.py end to end: a tiny CPU run as a subprocess, its last line a JSON object."""
 
-import pytest
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 # Trains or decodes a model: CI runs these again under ATEN_CPU_CAPABILITY=default (plain kernels).
 pytestmark = pytest.mark.model
@@ -13,17 +14,44 @@ pytestmark = pytest.mark.model
 ROOT = Path(__file__).resolve().parents[1]
 # v=2 and beta > 0, two timed steps: one stale step (behaviour pass) and one refresh step
 # (load_state_dict), so every phase has work in it.
-TINY = ["--model", "tiny", "--device", "cpu", "--prompts", "2", "--group", "2", "--prompt-len", "6",
-        "--max-new-tokens", "4", "--steps", "2", "--warmup", "1", "--beta", "0.04", "--offpolicy-steps", "2",
-        "--threads", "1"]
+TINY = [
+    "--model",
+    "tiny",
+    "--device",
+    "cpu",
+    "--prompts",
+    "2",
+    "--group",
+    "2",
+    "--prompt-len",
+    "6",
+    "--max-new-tokens",
+    "4",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--beta",
+    "0.04",
+    "--offpolicy-steps",
+    "2",
+    "--threads",
+    "1",
+]
 
 
 def run_bench(*extra, pythonpath=None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, str(ROOT / "bench.py"), *TINY, *extra], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench.py"), *TINY, *extra],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.strip().splitlines()
 

@@ -13,9 +13,30 @@ pytestmark = pytest.mark.model
 
 
 def sweep_args(tmp_path, warm_cache, *extra):
-    return ["--configs", "v1", "v4", "--seeds", "0", "--lrs", "5e-5", "--steps", "3", "--eval-every", "2",
-            "--eval-size", "10", "--warmup-steps", str(TEST_WARMUP), "--cache-dir", warm_cache,
-            "--out-dir", str(tmp_path / "results"), "--runs-dir", str(tmp_path / "runs"), *extra]
+    return [
+        "--configs",
+        "v1",
+        "v4",
+        "--seeds",
+        "0",
+        "--lrs",
+        "5e-5",
+        "--steps",
+        "3",
+        "--eval-every",
+        "2",
+        "--eval-size",
+        "10",
+        "--warmup-steps",
+        str(TEST_WARMUP),
+        "--cache-dir",
+        warm_cache,
+        "--out-dir",
+        str(tmp_path / "results"),
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        *extra,
+    ]
 
 
 def read_csv(path):
@@ -61,11 +82,17 @@ def test_summary_table_hand_computed():
     # Two seeds, two configs, eval points at steps 0, 2, 4, 6 (steps = 6). Hand-computed below.
     def run(config, seed, accs, clip):
         base = {"config": config, "lr": 1e-4, "seed": seed}
-        return [{**base, "step": 2 * i, "wall_s": 10.0 * i, "eval_accuracy": a, "clip_frac": "" if i == 0 else clip}
-                for i, a in enumerate(accs)]
+        return [
+            {**base, "step": 2 * i, "wall_s": 10.0 * i, "eval_accuracy": a, "clip_frac": "" if i == 0 else clip}
+            for i, a in enumerate(accs)
+        ]
 
-    rows = run("v1", 0, [0.3, 0.4, 0.5, 0.6], 0.0) + run("v1", 1, [0.3, 0.5, 0.5, 0.5], 0.0) \
-        + run("v4", 0, [0.3, 0.4, 0.6, 0.7], 0.02) + run("v4", 1, [0.3, 0.4, 0.4, 0.4], 0.04)
+    rows = (
+        run("v1", 0, [0.3, 0.4, 0.5, 0.6], 0.0)
+        + run("v1", 1, [0.3, 0.5, 0.5, 0.5], 0.0)
+        + run("v4", 0, [0.3, 0.4, 0.6, 0.7], 0.02)
+        + run("v4", 1, [0.3, 0.4, 0.4, 0.4], 0.04)
+    )
     args = type("Args", (), {"lrs": [1e-4], "configs": ["v1", "v4", "v8"], "steps": 6})()
     lines = experiment.summary_table(rows, args).splitlines()
     assert len(lines) == 4  # header, rule, v1, v4 (v8 has no runs: no row)

@@ -71,9 +71,25 @@ def test_greedy_is_identical_on_both_paths(model, tok):
 
 # The hand-set ending model's greedy chain, token -> next token, on the tokenizer's symbols: it stops
 # after a number of steps fixed by the prompt's last symbol, or never (the 7 -> 8 -> 9 -> 0 -> 7 cycle).
-CHAIN = {"=": "1", "1": "<eos>", "2": "3", "3": "<eos>", "4": "5", "5": "6", "6": "<eos>",
-         "7": "8", "8": "9", "9": "0", "0": "7", "+": "2", "-": "2", "*": "4",
-         "<pad>": "<eos>", "<eos>": "<eos>", "<unk>": "<eos>"}
+CHAIN = {
+    "=": "1",
+    "1": "<eos>",
+    "2": "3",
+    "3": "<eos>",
+    "4": "5",
+    "5": "6",
+    "6": "<eos>",
+    "7": "8",
+    "8": "9",
+    "9": "0",
+    "0": "7",
+    "+": "2",
+    "-": "2",
+    "*": "4",
+    "<pad>": "<eos>",
+    "<eos>": "<eos>",
+    "<unk>": "<eos>",
+}
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +157,14 @@ def test_sampled_masks_follow_the_eos_rules(ending_model, tok):
     # At temperature 1.5 the chain is followed with probability about 0.98 a token: rows ending in "="
     # mostly end after 2 tokens, rows ending in "7" cycle past 4 tokens; what is checked holds for every row.
     ids, mask = encode_prompts(tok, [Problem("12+3=", "15"), Problem("407", "0"), Problem("4*4=", "16")], "cpu")
-    ro = generate(ending_model, ids, mask, fast=True, generator=torch.Generator().manual_seed(0),
-                  **kwargs(tok, group_size=8, max_new_tokens=4, temperature=1.5))
+    ro = generate(
+        ending_model,
+        ids,
+        mask,
+        fast=True,
+        generator=torch.Generator().manual_seed(0),
+        **kwargs(tok, group_size=8, max_new_tokens=4, temperature=1.5),
+    )
     assert ro.truncated.any() and not ro.truncated.all()
     for row, m, trunc in zip(ro.completion_ids, ro.completion_mask, ro.truncated):
         k = int(m.sum())  # the mask is a prefix: 1 up to and including EOS, then pad
@@ -163,8 +185,11 @@ def test_sampled_logprobs_and_entropy_match_a_full_forward(model, tok, temperatu
     assert torch.allclose(ro.entropy, full_forward_entropy(model, ro, temperature), atol=1e-5)
     # Same for the plain path's tokens, so both paths score their tokens under the same model.
     pl = generate(model, ids, mask, fast=False, generator=torch.Generator().manual_seed(0), **kw)
-    assert torch.allclose(pl.sampler_logp, token_logprobs(model, pl.input_ids, pl.attention_mask, pl.completion_mask,
-                                                          temperature), atol=1e-5)
+    assert torch.allclose(
+        pl.sampler_logp,
+        token_logprobs(model, pl.input_ids, pl.attention_mask, pl.completion_mask, temperature),
+        atol=1e-5,
+    )
     # The generator alone decides the sample: same seed, same tokens; another seed, others.
     again = generate(model, ids, mask, fast=True, generator=torch.Generator().manual_seed(0), **kw)
     other = generate(model, ids, mask, fast=True, generator=torch.Generator().manual_seed(1), **kw)
@@ -221,15 +246,23 @@ def test_one_token_prompts(model, tok):
 def test_shared_prompt_logprobs_and_gradients_equal_row_by_row(model, tok):
     # token_logprobs runs a group's prompt once; row by row nothing can be shared: an independent reference.
     ids, mask = prompts(tok)
-    ro = generate(model, ids, mask, fast=False, generator=torch.Generator().manual_seed(0),
-                  **kwargs(tok, group_size=4, max_new_tokens=6, temperature=1.0))
+    ro = generate(
+        model,
+        ids,
+        mask,
+        fast=False,
+        generator=torch.Generator().manual_seed(0),
+        **kwargs(tok, group_size=4, max_new_tokens=6, temperature=1.0),
+    )
     w = torch.randn(ro.completion_mask.shape, generator=torch.Generator().manual_seed(1))  # (N, T)
     batched = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 0.8)
     (batched * w).sum().backward()
     shared_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     for i in range(ro.input_ids.shape[0]):
-        one = token_logprobs(model, ro.input_ids[i : i + 1], ro.attention_mask[i : i + 1], ro.completion_mask[i : i + 1], 0.8)
+        one = token_logprobs(
+            model, ro.input_ids[i : i + 1], ro.attention_mask[i : i + 1], ro.completion_mask[i : i + 1], 0.8
+        )
         assert torch.allclose(one, batched[i : i + 1], atol=1e-5)
         (one * w[i : i + 1]).sum().backward()
     for g, p in zip(shared_grads, model.parameters()):
@@ -256,12 +289,12 @@ def test_prompts_run_once_per_group(model, tok):
 def test_auto_falls_back_to_plain_when_the_static_cache_fails(model, tok, monkeypatch):
     # fast=None on a model the static cache turns out not to fit (a transformers version whose
     # attention calls the cache differently, say): one warning, the plain result, plain from then on.
-    monkeypatch.setattr(rollout, "sampling_path", lambda m, fast=None: "plain" if fast is False else "static-cache")
+    monkeypatch.setattr(decoding, "sampling_path", lambda m, fast=None: "plain" if fast is False else "static-cache")
 
     def broken(self, *a, **kw):
         raise TypeError("update() got an unexpected keyword argument")
 
-    monkeypatch.setattr(decoding._StaticDecoder, "prefill", broken)
+    monkeypatch.setattr(decoding.StaticDecoder, "prefill", broken)
     ids, mask = prompts(tok)
     kw = kwargs(tok, group_size=2, max_new_tokens=5, temperature=0.0)
     with pytest.warns(UserWarning, match="static-cache path failed"):
@@ -280,7 +313,7 @@ def test_a_diverged_policy_is_not_taken_for_a_path_failure(tok, monkeypatch):
     model = tiny.build_model(tok, seed=0).eval()
     with torch.no_grad():
         model.model.norm.weight.fill_(float("nan"))
-    monkeypatch.setattr(rollout, "sampling_path", lambda m, fast=None: "plain" if fast is False else "static-cache")
+    monkeypatch.setattr(decoding, "sampling_path", lambda m, fast=None: "plain" if fast is False else "static-cache")
     ids, mask = prompts(tok)
     with pytest.raises(FloatingPointError):
         generate(model, ids, mask, **kwargs(tok, group_size=2, max_new_tokens=3, temperature=1.0))
@@ -350,7 +383,9 @@ def test_cuda_graph_under_bf16_autocast(tok):
 
     model = tiny.build_model(tok, seed=2).cuda().eval()
     ids, mask = prompts(tok, "cuda")
-    kw = kwargs(tok, group_size=4, max_new_tokens=12, temperature=1.0, generator=torch.Generator(device="cuda").manual_seed(0))
+    kw = kwargs(
+        tok, group_size=4, max_new_tokens=12, temperature=1.0, generator=torch.Generator(device="cuda").manual_seed(0)
+    )
     with torch.autocast("cuda", dtype=torch.bfloat16):
         ro = generate(model, ids, mask, **kw)
         lp = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)

@@ -89,7 +89,9 @@ def random_batch(seed, n=6, t=5, spread=0.4):
 @pytest.mark.parametrize("use_current,beta", [(True, 0.0), (True, 0.1), (False, 0.05)])
 def test_policy_loss_matches_loop_value_and_gradient(center, agg, use_current, beta):
     # A fixed seed per case (hash() of a str is randomised per process, so a failure would not reproduce).
-    logp, blogp, clogp, rlogp, adv, mask = random_batch(seed=zlib.crc32(f"{center}-{agg}-{use_current}".encode()) % 1000)
+    logp, blogp, clogp, rlogp, adv, mask = random_batch(
+        seed=zlib.crc32(f"{center}-{agg}-{use_current}".encode()) % 1000
+    )
     clogp = clogp if use_current else None
     rlogp = rlogp if beta > 0 else None
     kw = dict(clip_eps=0.2, clip_eps_high=0.28, clip_center=center, beta=beta, agg=agg, max_new_tokens=7)
@@ -97,9 +99,20 @@ def test_policy_loss_matches_loop_value_and_gradient(center, agg, use_current, b
     loss, stats = policy_loss(x, blogp, clogp, rlogp, adv, mask, **kw)
     loss.backward()
 
-    L = lambda lp: loop_policy_loss(lp, blogp.tolist(), None if clogp is None else clogp.tolist(),
-                                    None if rlogp is None else rlogp.tolist(), adv.tolist(), mask.tolist(),
-                                    0.2, 0.28, center, beta, agg, 7)
+    L = lambda lp: loop_policy_loss(
+        lp,
+        blogp.tolist(),
+        None if clogp is None else clogp.tolist(),
+        None if rlogp is None else rlogp.tolist(),
+        adv.tolist(),
+        mask.tolist(),
+        0.2,
+        0.28,
+        center,
+        beta,
+        agg,
+        7,
+    )
     assert loss.item() == pytest.approx(L(logp.tolist()), rel=1e-10, abs=1e-12)
     # Gradient of the loop by central finite differences, token by token.
     h = 1e-6
@@ -118,8 +131,17 @@ def test_clipped_tokens_get_zero_gradient_on_the_pushed_side():
     ratios = torch.tensor([1.5, 1.5, 0.5, 0.5, 1.0], dtype=torch.float64)
     adv = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0], dtype=torch.float64)
     logp = torch.log(ratios).unsqueeze(1).requires_grad_(True)  # behaviour logp = 0
-    loss, stats = policy_loss(logp, torch.zeros(5, 1, dtype=torch.float64), None, None, adv, torch.ones(5, 1),
-                              clip_center="behaviour", agg="constant", max_new_tokens=1)
+    loss, stats = policy_loss(
+        logp,
+        torch.zeros(5, 1, dtype=torch.float64),
+        None,
+        None,
+        adv,
+        torch.ones(5, 1),
+        clip_center="behaviour",
+        agg="constant",
+        max_new_tokens=1,
+    )
     loss.backward()
     g = logp.grad.squeeze(1)
     assert g[0] == 0  # A > 0 and rho above 1+eps: more probability would not pay, no gradient
@@ -139,7 +161,9 @@ def test_current_centre_follows_rho_prime():
         policy_loss(x, blogp, clogp, None, torch.ones(1, dtype=torch.float64), torch.ones(1, 1))[0].backward()
         assert (x.grad.item() == 0) == clipped_current
     x = torch.full((1, 1), math.log(2.0), dtype=torch.float64, requires_grad=True)
-    policy_loss(x, blogp, clogp, None, torch.ones(1, dtype=torch.float64), torch.ones(1, 1), clip_center="behaviour")[0].backward()
+    policy_loss(x, blogp, clogp, None, torch.ones(1, dtype=torch.float64), torch.ones(1, 1), clip_center="behaviour")[
+        0
+    ].backward()
     assert x.grad.item() == 0
 
 
@@ -166,8 +190,21 @@ def test_micro_batch_totals_add_up():
     for agg in ("token-mean", "seq-mean", "constant"):
         whole, _ = policy_loss(logp, blogp, clogp, rlogp, adv, mask, beta=0.1, agg=agg, max_new_tokens=5)
         total = aggregation_total(mask, agg, 5)
-        parts = sum(policy_loss(logp[s:s + 2], blogp[s:s + 2], clogp[s:s + 2], rlogp[s:s + 2], adv[s:s + 2],
-                                mask[s:s + 2], beta=0.1, agg=agg, max_new_tokens=5, total=total)[0] for s in range(0, 8, 2))
+        parts = sum(
+            policy_loss(
+                logp[s : s + 2],
+                blogp[s : s + 2],
+                clogp[s : s + 2],
+                rlogp[s : s + 2],
+                adv[s : s + 2],
+                mask[s : s + 2],
+                beta=0.1,
+                agg=agg,
+                max_new_tokens=5,
+                total=total,
+            )[0]
+            for s in range(0, 8, 2)
+        )
         assert parts.item() == pytest.approx(whole.item(), rel=1e-12)
 
 

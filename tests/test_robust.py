@@ -22,14 +22,44 @@ ENV = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1"}
 
 
 def cli(*args, timeout=300):
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=ENV)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=ENV,
+    )
 
 
 def small_run(cache, out, steps=12):
-    return ["--steps", str(steps), "--offpolicy-steps", "2", "--beta", "0.04", "--prompts-per-step", "4",
-            "--group-size", "4", "--lr", "1e-4", "--eval-size", "20", "--eval-every", "5", "--save-every", "4",
-            "--warmup-steps", str(TEST_WARMUP), "--cache-dir", cache, "--out", str(out), "--no-progress"]
+    return [
+        "--steps",
+        str(steps),
+        "--offpolicy-steps",
+        "2",
+        "--beta",
+        "0.04",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--lr",
+        "1e-4",
+        "--eval-size",
+        "20",
+        "--eval-every",
+        "5",
+        "--save-every",
+        "4",
+        "--warmup-steps",
+        str(TEST_WARMUP),
+        "--cache-dir",
+        cache,
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
 
 
 def test_sigkill_then_resume_gives_the_same_final_weights(warm_cache, tmp_path):
@@ -37,8 +67,13 @@ def test_sigkill_then_resume_gives_the_same_final_weights(warm_cache, tmp_path):
     r = cli(*small_run(warm_cache, ref_out, steps=24))
     assert r.returncode == 0, r.stderr[-2000:]
 
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *small_run(warm_cache, cut_out, steps=24)],
-                            cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *small_run(warm_cache, cut_out, steps=24)],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 240
     while latest_checkpoint(str(cut_out)) is None and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
@@ -71,7 +106,10 @@ def test_half_written_checkpoints_are_never_loaded(tmp_path):
     assert latest_checkpoint(out).name == "step-00000003.pt"
     for k in (6, 9, 12):
         save_checkpoint(out, {"step": k}, k, keep=2)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*.pt")) == ["step-00000009.pt", "step-00000012.pt"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*.pt")) == [
+        "step-00000009.pt",
+        "step-00000012.pt",
+    ]
 
 
 def write(tmp_path, name, text):
@@ -83,13 +121,16 @@ def write(tmp_path, name, text):
 GOOD = json.dumps({"question": "1+1?", "answer": "1+1=2\n#### 2"})
 
 
-@pytest.mark.parametrize("case,expect", [
-    ("missing", "no such file"),
-    ("empty", "has no rows"),
-    ("notjson", ":2: not valid JSON"),
-    ("nofield", ":2: row needs string fields 'question' and 'answer'"),
-    ("nonumber", ":3: answer has no parseable final number"),
-])
+@pytest.mark.parametrize(
+    "case,expect",
+    [
+        ("missing", "no such file"),
+        ("empty", "has no rows"),
+        ("notjson", ":2: not valid JSON"),
+        ("nofield", ":2: row needs string fields 'question' and 'answer'"),
+        ("nonumber", ":3: answer has no parseable final number"),
+    ],
+)
 def test_bad_data_files_get_a_one_line_error(tmp_path, case, expect):
     files = {
         "missing": str(tmp_path / "nope.jsonl"),
@@ -104,21 +145,30 @@ def test_bad_data_files_get_a_one_line_error(tmp_path, case, expect):
     assert not (tmp_path / "o").exists()  # nothing written for a run that never started
 
 
-@pytest.mark.parametrize("args,expect", [
-    (["--group-size", "1"], "--group-size must be >= 2"),
-    (["--offpolicy-steps", "0"], "--offpolicy-steps must be >= 1"),
-    (["--prompts-per-step", "0"], "--prompts-per-step must be >= 1"),
-    (["--micro-batch", "5"], "--micro-batch 5 must divide the batch N"),
-    (["--lr", "-1"], "--lr must be >= 0"),
-    (["--beta", "-0.1"], "--beta must be >= 0"),
-    (["--clip-eps", "-0.2"], "--clip-eps must be >= 0"),
-    (["--temperature", "0"], "--temperature must be > 0"),
-    (["--task", "chess"], "--task: unknown value 'chess'"),
-    (["--clip-center", "middle"], "--clip-center: unknown value"),
-    (["--model", "/no/such/model", "--task", "gsm8k", "--data-files", "DATA"], "--model /no/such/model: cannot be loaded"),
-    (["--model", "no-such-org/no-such-model", "--task", "gsm8k", "--data-files", "DATA"], "--model no-such-org/no-such-model: cannot be loaded"),
-    (["--resume", "--out", "EMPTY"], "--resume:"),
-])
+@pytest.mark.parametrize(
+    "args,expect",
+    [
+        (["--group-size", "1"], "--group-size must be >= 2"),
+        (["--offpolicy-steps", "0"], "--offpolicy-steps must be >= 1"),
+        (["--prompts-per-step", "0"], "--prompts-per-step must be >= 1"),
+        (["--micro-batch", "5"], "--micro-batch 5 must divide the batch N"),
+        (["--lr", "-1"], "--lr must be >= 0"),
+        (["--beta", "-0.1"], "--beta must be >= 0"),
+        (["--clip-eps", "-0.2"], "--clip-eps must be >= 0"),
+        (["--temperature", "0"], "--temperature must be > 0"),
+        (["--task", "chess"], "--task: unknown value 'chess'"),
+        (["--clip-center", "middle"], "--clip-center: unknown value"),
+        (
+            ["--model", "/no/such/model", "--task", "gsm8k", "--data-files", "DATA"],
+            "--model /no/such/model: cannot be loaded",
+        ),
+        (
+            ["--model", "no-such-org/no-such-model", "--task", "gsm8k", "--data-files", "DATA"],
+            "--model no-such-org/no-such-model: cannot be loaded",
+        ),
+        (["--resume", "--out", "EMPTY"], "--resume:"),
+    ],
+)
 def test_bad_flags_get_a_one_line_error(tmp_path, args, expect):
     data = write(tmp_path, "d.jsonl", "\n".join([GOOD] * 600))
     args = [data if a == "DATA" else str(tmp_path / "empty") if a == "EMPTY" else a for a in args]
@@ -136,8 +186,8 @@ def assert_one_line_error(r, expect):
 
 def test_prompts_longer_than_the_context_are_skipped_with_a_count():
     # The tiny model's context is 64 positions: with 8 new tokens, a prompt may use 56.
-    from tasks import Problem, TaskError, fit_context
     import tiny
+    from tasks import Problem, TaskError, fit_context
 
     tok = tiny.build_tokenizer()
     long_q = "1" * 80 + "+1="
@@ -151,16 +201,31 @@ def test_non_finite_gradients_skip_the_step_and_three_stop_the_run(model, tok, t
     from test_train import make_batch
 
     batch = make_batch(model, tok)
-    batch["advantages"] = batch["advantages"] * float("nan")
+    batch.advantages = batch.advantages * float("nan")
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    st = train.update(resolve(Config(out=str(tmp_path))), model, opt, batch, None, None)
+    st, _ = train.update(resolve(Config(out=str(tmp_path))), model, opt, batch, None, None)
     assert st["nonfinite_updates"] == 1
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # no optimizer step
 
-    r = cli("--lr", "1e30", "--steps", "20", "--save-every", "1", "--warmup-steps", str(TEST_WARMUP),
-            "--cache-dir", warm_cache, "--eval-size", "10", "--out", str(tmp_path / "o"), "--no-progress")
-    assert_one_line_error_tail(r, "not finite 3 steps in a row")
+    r = cli(
+        "--lr",
+        "1e30",
+        "--steps",
+        "20",
+        "--save-every",
+        "1",
+        "--warmup-steps",
+        str(TEST_WARMUP),
+        "--cache-dir",
+        warm_cache,
+        "--eval-size",
+        "10",
+        "--out",
+        str(tmp_path / "o"),
+        "--no-progress",
+    )
+    assert_one_line_error_tail(r, "not finite 3 steps in a row", status=3)  # its own exit status
     rows = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
     bad = [row["step"] for row in rows if row["nonfinite_updates"]]
     assert len(bad) == 3 and bad == list(range(bad[0], bad[0] + 3))
@@ -168,7 +233,7 @@ def test_non_finite_gradients_skip_the_step_and_three_stop_the_run(model, tok, t
     assert last_ck is not None and int(last_ck.stem.split("-")[1]) == bad[0]  # written before the streak
 
 
-def assert_one_line_error_tail(r, expect):
-    assert r.returncode == 2, r.stderr[-2000:]
+def assert_one_line_error_tail(r, expect, status=2):
+    assert r.returncode == status, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: ") and expect in r.stderr.strip().splitlines()[-1]

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import logprobs
 import rollout
 from rollout import generate, token_logprobs
 from tasks import Problem, encode_prompts
@@ -69,7 +70,7 @@ def test_chunked_head_gradient_equals_full_logits(model, tok):
 def test_generic_head_path_agrees(model, tok, monkeypatch):
     ids, attn, cmask = batch_of(tok, ["3+4=", "10-20="], ["7", "-10"])
     fused = token_logprobs(model, ids, attn, cmask, 1.0)
-    monkeypatch.setattr(rollout, "_has_plain_head", lambda m: False)
+    monkeypatch.setattr(logprobs, "has_plain_head", lambda m: False)
     assert torch.allclose(token_logprobs(model, ids, attn, cmask, 1.0), fused, atol=1e-5)
 
 
@@ -94,8 +95,17 @@ def test_eos_is_kept_and_tokens_after_it_are_masked():
     lm = ScriptedLM()
     prompt = torch.full((3, 2), 4)
     lm.prompt_len = 2
-    ro = generate(lm, prompt, torch.ones_like(prompt), group_size=1, max_new_tokens=6, temperature=1.0,
-                  eos_token_id=1, pad_token_id=0, generator=torch.Generator().manual_seed(0))
+    ro = generate(
+        lm,
+        prompt,
+        torch.ones_like(prompt),
+        group_size=1,
+        max_new_tokens=6,
+        temperature=1.0,
+        eos_token_id=1,
+        pad_token_id=0,
+        generator=torch.Generator().manual_seed(0),
+    )
     # Row i: i tokens "5", then EOS (kept, in the mask), then padding (masked).
     assert ro.completion_ids.tolist()[2][:3] == [5, 5, 1]
     assert ro.completion_mask.tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
@@ -107,14 +117,24 @@ def test_eos_is_kept_and_tokens_after_it_are_masked():
     logp = torch.zeros(3, 3, requires_grad=True)
     policy_loss(logp, logp.detach(), None, None, torch.tensor([1.0, -1.0, 0.5]), ro.completion_mask)[0].backward()
     assert (logp.grad[ro.completion_mask.bool()] != 0).all() and (logp.grad[~ro.completion_mask.bool()] == 0).all()
-    short = generate(lm, prompt, torch.ones_like(prompt), group_size=1, max_new_tokens=1, temperature=1.0,
-                     eos_token_id=1, pad_token_id=0)
+    short = generate(
+        lm,
+        prompt,
+        torch.ones_like(prompt),
+        group_size=1,
+        max_new_tokens=1,
+        temperature=1.0,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     assert short.truncated.tolist() == [False, True, True]
 
 
 def test_sampler_logprobs_match_a_forward_pass_and_seed_reproduces(model, tok):
     ids, mask = encode_prompts(tok, [Problem("12+3=", "15"), Problem("4*4=", "16")], "cpu")
-    kw = dict(group_size=3, max_new_tokens=5, temperature=1.3, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    kw = dict(
+        group_size=3, max_new_tokens=5, temperature=1.3, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
     a = generate(model, ids, mask, generator=torch.Generator().manual_seed(1), **kw)
     b = generate(model, ids, mask, generator=torch.Generator().manual_seed(1), **kw)
     assert torch.equal(a.completion_ids, b.completion_ids)
@@ -125,15 +145,25 @@ def test_sampler_logprobs_match_a_forward_pass_and_seed_reproduces(model, tok):
 
 def test_greedy_is_argmax_of_the_full_forward(model, tok):
     ids, mask = encode_prompts(tok, [Problem("1+2=", "3"), Problem("77-7=", "70")], "cpu")
-    ro = generate(model, ids, mask, group_size=1, max_new_tokens=4, temperature=0.0,
-                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    ro = generate(
+        model,
+        ids,
+        mask,
+        group_size=1,
+        max_new_tokens=4,
+        temperature=0.0,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     seq, attn = ids, mask
     for _ in range(ro.completion_ids.shape[1]):  # naive decoding without a cache
         logits = model(input_ids=seq, attention_mask=attn, position_ids=rollout.position_ids_from_mask(attn)).logits
         seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], 1)
         attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
-    got = seq[:, ids.shape[1]:]
-    assert torch.equal(torch.where(ro.completion_mask.bool(), ro.completion_ids, -1), torch.where(ro.completion_mask.bool(), got, -1))
+    got = seq[:, ids.shape[1] :]
+    assert torch.equal(
+        torch.where(ro.completion_mask.bool(), ro.completion_ids, -1), torch.where(ro.completion_mask.bool(), got, -1)
+    )
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -143,5 +173,5 @@ def test_selected_logprob_function_gradcheck(bias):
     w = torch.randn(7, 4, dtype=torch.float64, generator=g, requires_grad=True)
     b = torch.randn(7, dtype=torch.float64, generator=g, requires_grad=True) if bias else None
     y = torch.tensor([0, 3, 6, 2, 2])
-    f = lambda h, w, b: rollout._SelectedLogProb.apply(h, w, b, y, 0.8, 2).double()
+    f = lambda h, w, b: logprobs.SelectedLogProb.apply(h, w, b, y, 0.8, 2).double()
     assert torch.autograd.gradcheck(f, (h, w, b))

@@ -8,12 +8,13 @@ import sys
 import pytest
 import torch
 
+import step
 import train
 from advantage import group_advantages
 from config import Config, resolve
+from conftest import ROOT, TEST_WARMUP, shared_data
 from rollout import generate, token_logprobs
 from tasks import Problem, encode_prompts
-from conftest import ROOT, TEST_WARMUP, shared_data
 
 # Trains or decodes a model: CI runs these again under ATEN_CPU_CAPABILITY=default (plain kernels).
 pytestmark = pytest.mark.model
@@ -36,13 +37,27 @@ class RecordingOptimizer:
 def make_batch(model, tok, seed=0, group=4, temperature=1.0):
     probs = [Problem(q, "0") for q in ("1+2=", "33-4=", "5*6=", "70+8=")]
     ids, mask = encode_prompts(tok, probs, "cpu")
-    ro = generate(model, ids, mask, group_size=group, max_new_tokens=5, temperature=temperature,
-                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(seed))
+    ro = generate(
+        model,
+        ids,
+        mask,
+        group_size=group,
+        max_new_tokens=5,
+        temperature=temperature,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        generator=torch.Generator().manual_seed(seed),
+    )
     rewards = torch.tensor([float(i % 3 == 0) for i in range(ro.completion_ids.shape[0])])  # mixed groups
     rewards[:group] = 1.0  # one all-equal group: masked out
     adv, valid = group_advantages(rewards, group)
-    return dict(input_ids=ro.input_ids, attention_mask=ro.attention_mask, completion_mask=ro.completion_mask,
-                loss_mask=ro.completion_mask * valid[:, None], advantages=adv)
+    return train.Batch(
+        ro.input_ids,
+        ro.attention_mask,
+        ro.completion_mask,
+        loss_mask=ro.completion_mask * valid[:, None],
+        advantages=adv,
+    )
 
 
 def cfg_for(**kw):
@@ -55,11 +70,13 @@ def test_on_policy_gradient_is_group_baseline_reinforce(model, tok):
     # grad = -(1/|tokens|) sum_i A_i sum_t grad log pi(y_t): REINFORCE with the group baseline.
     batch = make_batch(model, tok)
     opt = RecordingOptimizer(model.parameters())
-    train.update(cfg_for(clip_eps=0.0), model, opt, batch, behaviour_logp=None, ref_logp=None)  # eps 0: clip as tight as it gets
-    mask = batch["loss_mask"]
-    logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"], 1.0)
+    train.update(
+        cfg_for(clip_eps=0.0), model, opt, batch, behaviour_logp=None, ref_logp=None
+    )  # eps 0: clip as tight as it gets
+    mask = batch.loss_mask
+    logp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
     model.zero_grad()
-    (-(batch["advantages"][:, None] * logp * mask).sum() / mask.sum()).backward()
+    (-(batch.advantages[:, None] * logp * mask).sum() / mask.sum()).backward()
     reinforce = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert reinforce.abs().max() > 0
     assert torch.allclose(opt.grads[0], reinforce, atol=1e-6, rtol=1e-4)
@@ -83,8 +100,8 @@ def test_reward_shuffle_deals_the_same_rewards_to_random_samples():
 def test_micro_batched_gradient_equals_whole_batch(model, tok, agg):
     batch = make_batch(model, tok, seed=1)
     with torch.no_grad():  # a stale step with KL: behaviour and reference log-probs differ from pi_k
-        noise = 0.3 * torch.randn(batch["completion_mask"].shape, generator=torch.Generator().manual_seed(0))
-        lp = token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"], 1.0)
+        noise = 0.3 * torch.randn(batch.completion_mask.shape, generator=torch.Generator().manual_seed(0))
+        lp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
         behaviour, ref = lp + noise, lp - noise
     grads = []
     for mb in (None, 4, 2):
@@ -99,17 +116,17 @@ def test_micro_batched_gradient_equals_whole_batch(model, tok, agg):
 def test_pi_k_is_recorded_from_the_first_inner_epoch(model, tok):
     batch = make_batch(model, tok, seed=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    expected = token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"], 1.0).detach()
-    st = train.update(cfg_for(inner_steps=3, micro_batch=4), model, opt, batch, None, None)
-    assert torch.allclose(st["_pi_k_logp"], expected, atol=1e-6)  # recorded before the weights moved
-    after = token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"], 1.0)
+    expected = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0).detach()
+    _, pi_k_logp = train.update(cfg_for(inner_steps=3, micro_batch=4), model, opt, batch, None, None)
+    assert torch.allclose(pi_k_logp, expected, atol=1e-6)  # recorded before the weights moved
+    after = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
     assert not torch.allclose(after, expected, atol=1e-3)  # and the weights did move
 
 
 @pytest.mark.parametrize("v", [1, 3])
 def test_sampler_refreshes_exactly_every_v_steps(warm_cache, tmp_path, monkeypatch, v):
     seen = []  # (sampler weights, policy weights) at each training sample call
-    real_generate = train.generate
+    real_generate = step.generate
     holder = {}
 
     def spy(model, *a, **kw):
@@ -125,12 +142,25 @@ def test_sampler_refreshes_exactly_every_v_steps(warm_cache, tmp_path, monkeypat
         holder["policy"] = m
         return m, t
 
-    monkeypatch.setattr(train, "generate", spy)
+    monkeypatch.setattr(step, "generate", spy)
     coin = random.Random(0)
     monkeypatch.setattr(train, "math_reward", lambda c, g: float(coin.random() < 0.5))  # every step has signal
     monkeypatch.setattr(train, "load_policy", load_spy)
-    cfg = resolve(Config(steps=7, offpolicy_steps=v, prompts_per_step=4, group_size=4, lr=1e-3, eval_size=8, eval_every=0,
-                         warmup_steps=TEST_WARMUP, cache_dir=warm_cache, out=str(tmp_path), progress=False))
+    cfg = resolve(
+        Config(
+            steps=7,
+            offpolicy_steps=v,
+            prompts_per_step=4,
+            group_size=4,
+            lr=1e-3,
+            eval_size=8,
+            eval_every=0,
+            warmup_steps=TEST_WARMUP,
+            cache_dir=warm_cache,
+            out=str(tmp_path),
+            progress=False,
+        )
+    )
     train.train(cfg)
     assert len(seen) == 7
     for k, (is_live, sampler_w, policy_w) in enumerate(seen):
@@ -148,14 +178,35 @@ def test_sampler_refreshes_exactly_every_v_steps(warm_cache, tmp_path, monkeypat
 
 
 def run_cli(*args, timeout=600):
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+    )
 
 
 def test_end_to_end_builtin_task_accuracy_rises(warm_cache, tmp_path):
     out = tmp_path / "run"
-    r = run_cli("--steps", "150", "--offpolicy-steps", "2", "--warmup-steps", str(TEST_WARMUP),
-                "--cache-dir", warm_cache, "--eval-every", "0", "--eval-size", "300", "--out", str(out), "--no-progress")
+    r = run_cli(
+        "--steps",
+        "150",
+        "--offpolicy-steps",
+        "2",
+        "--warmup-steps",
+        str(TEST_WARMUP),
+        "--cache-dir",
+        warm_cache,
+        "--eval-every",
+        "0",
+        "--eval-size",
+        "300",
+        "--out",
+        str(out),
+        "--no-progress",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_accuracy_end"] >= summary["eval_accuracy_start"] + 0.05, summary
@@ -169,16 +220,44 @@ def test_real_model_path_offline(tmp_path):
 
     tok_dir, data = shared_data("qwen2-tokenizer"), shared_data("gsm8k", "train.jsonl")
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model_dir = tmp_path / "qwen2-random"
     Qwen2ForCausalLM(cfg).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     out = tmp_path / "run"
-    r = run_cli("--model", str(model_dir), "--task", "gsm8k", "--data-files", str(data), "--steps", "2",
-                "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8", "--eval-size", "4",
-                "--beta", "0.04", "--out", str(out), "--no-progress")
+    r = run_cli(
+        "--model",
+        str(model_dir),
+        "--task",
+        "gsm8k",
+        "--data-files",
+        str(data),
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--eval-size",
+        "4",
+        "--beta",
+        "0.04",
+        "--out",
+        str(out),
+        "--no-progress",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
     assert "<|im_start|>user" in tok.decode(encode_prompts(tok, [Problem("q", "1")], "cpu")[0][0])  # chat template

@@ -1,0 +1,155 @@
+"""Per-token log-probs of given completions under a causal LM: `token_logprobs`, and nothing else.
+
+This file imports only torch (and the standard library), so it can be copied alone into another
+project; it reads the batch layout of rollout.py:
+    input_ids, attention_mask  (N, P+T)  prompts left-padded, then completions right-padded
+    completion_mask            (N, T)    1 on the completion tokens to score (up to and including EOS)
+Position ids come from the attention mask (cumsum - 1), so a left-padded prompt sees the positions
+of the unpadded one.
+
+Deviations from the textbook `log_softmax(model(x).logits)[y]`:
+  1. The (N, T, V) float32 logits are never built: `SelectedLogProb` runs the LM head in row chunks,
+     keeps only each row's log-sum-exp, and recomputes the chunk in backward.
+  2. Adjacent rows with one prompt (a group's G completions) run the prompt once and share its
+     KV cache, indexed per row; values and gradients are those of one plain pass.
+"""
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding: the first real token is at position 0."""
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)  # (N, L)
+
+
+def cache_kwarg(model) -> str:
+    """transformers renamed `past_key_values` to `cache` in 5.2x (argument and output); accept both."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+class SelectedLogProb(torch.autograd.Function):
+    """log softmax(h W^T + b)[y] / tau for M rows, in row chunks, without keeping (M, V) logits.
+
+    Forward keeps only the per-row log-sum-exp; backward recomputes each chunk's softmax:
+        d logp / d z = (onehot(y) - softmax(z)) / tau,   z = (h W^T + b) / tau.
+    Peak extra memory is one (chunk, V) float32 block instead of (M, V).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk):
+        acc = torch.promote_types(weight.dtype, torch.float32)  # float32, or float64 in tests
+        out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)  # (M,)
+        lse = torch.empty_like(out)  # (M,)
+        for s in range(0, hidden.shape[0], chunk):
+            z = F.linear(hidden[s : s + chunk], weight, bias).to(acc) / temperature  # (c, V)
+            lse[s : s + chunk] = torch.logsumexp(z, dim=-1)
+            out[s : s + chunk] = z.gather(1, targets[s : s + chunk, None]).squeeze(1) - lse[s : s + chunk]
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        tau, chunk = ctx.temperature, ctx.chunk
+        grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        acc = lse.dtype
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_b = None
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device)
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s : s + chunk]  # (c, H)
+            z = F.linear(h, weight, bias).to(acc) / tau  # (c, V)
+            g = -torch.exp(z - lse[s : s + chunk, None])  # (c, V) -softmax
+            g.scatter_add_(1, targets[s : s + chunk, None], torch.ones_like(g[:, :1]))  # onehot - softmax
+            g = g * (grad_out[s : s + chunk, None] / tau)  # (c, V) d loss / d logits
+            if grad_h is not None:
+                grad_h[s : s + chunk] = (g.to(weight.dtype) @ weight).to(hidden.dtype)  # (c, H)
+            if grad_w is not None:
+                grad_w += g.t() @ h.to(acc)  # (V, H)
+            if grad_b is not None:
+                grad_b += g.sum(dim=0)  # (V,)
+        grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
+        grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
+        return grad_h, grad_w, grad_b, None, None, None
+
+
+def has_plain_head(model) -> bool:
+    """True when logits are exactly lm_head(last_hidden_state): no soft-capping or scaling."""
+    head, cfg = model.get_output_embeddings(), model.config
+    odd = getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None)
+    return isinstance(head, torch.nn.Linear) and not odd and hasattr(model, "get_decoder")
+
+
+def completion_states(decoder, input_ids, attention_mask, pos, t: int) -> torch.Tensor:
+    """The hidden states (N, T, H) that predict the T completion tokens. Adjacent rows with one prompt (a group)
+    run it once, its KV cache indexed per row (differentiably): one plain pass's values and gradients, for less."""
+    p = input_ids.shape[1] - t
+    same = ((input_ids[1:, :p] == input_ids[:-1, :p]) & (attention_mask[1:, :p] == attention_mask[:-1, :p])).all(1)
+    first = torch.cat([same.new_ones(1), ~same])  # (N,) the row starts a new prompt
+    # Nothing shared: one pass; the state at position i predicts token i+1.
+    if p == 0 or bool(first.all()):
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).last_hidden_state
+        return hidden[:, p - 1 : p - 1 + t]  # (N, T, H): completion token j sits at P+j
+    # The prompts' pass makes its own KV cache (the model's default, a DynamicCache), returned with the output.
+    out = decoder(
+        input_ids=input_ids[first, :p],
+        attention_mask=attention_mask[first, :p],
+        position_ids=pos[first, :p],
+        use_cache=True,
+    )
+    last = out.last_hidden_state[:, -1:]  # (U, 1, H) U distinct prompts
+    rows = first.long().cumsum(0) - 1  # (N,) each row's prompt
+    cache = out[cache_kwarg(decoder)]
+    cache.batch_select_indices(rows)  # (U, ...) -> (N, ...)
+    rest = decoder(
+        input_ids=input_ids[:, p:],
+        attention_mask=attention_mask,
+        position_ids=pos[:, p:],
+        use_cache=True,
+        **{cache_kwarg(decoder): cache},
+    ).last_hidden_state  # (N, T, H)
+    return torch.cat([last[rows], rest[:, :-1]], dim=1)  # (N, T, H)
+
+
+def token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float,
+    chunk: int = 1024,
+) -> torch.Tensor:
+    """Per-token log-probs of the completions under `model`, from logits / temperature.
+
+    Args:
+        input_ids, attention_mask: (N, P+T), prompts left-padded then completions right-padded.
+        completion_mask: (N, T), 1 on the completion tokens to score; T is inferred from it.
+        temperature: the sampling temperature (1.0 for the plain distribution).
+        chunk: rows of the LM head evaluated at once.
+
+    Returns:
+        (N, T) float32 log-probs, 0 where completion_mask is 0. Differentiable when grad is on.
+    """
+    (n, length), t = input_ids.shape, completion_mask.shape[1]
+    tau = temperature if temperature > 0 else 1.0
+    pos = position_ids_from_mask(attention_mask)  # (N, P+T)
+    sel = completion_mask.bool()  # (N, T)
+    targets = input_ids[:, length - t :][sel]  # (M,) the scored tokens
+    if has_plain_head(model):
+        h = completion_states(model.get_decoder(), input_ids, attention_mask, pos, t)[sel]  # (M, H) scored rows only
+        head = model.get_output_embeddings()
+        logp = SelectedLogProb.apply(h, head.weight, head.bias, targets, tau, chunk)  # (M,)
+    else:
+        # Generic path (soft-capped or scaled heads): the model's own logits, only T+1 of them.
+        logits = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, logits_to_keep=t + 1
+        ).logits
+        z = logits[:, :-1][sel].float() / tau  # (M, V)
+        logp = z.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(z, dim=-1)  # (M,)
+    out = torch.zeros(n, t, dtype=torch.float32, device=input_ids.device)  # (N, T)
+    return out.masked_scatter(sel, logp)  # (N, T), differentiable w.r.t. logp
