@@ -1,5 +1,6 @@
 """The policy objectives: GRPO's clipped off-policy surrogate with a KL penalty ([A]),
-and the REINFORCE-family losses of [B].
+the staleness corrections of other engines (AReaL's decoupled objective, truncated and
+masked sampler weights), and the REINFORCE-family losses of [B].
 
 Every loss here takes per-token log-probs of the completions, shape (N, T), and a
 `completion_mask` (N, T) that is 1 on the tokens that count: the completion tokens up to and
@@ -13,17 +14,24 @@ Aggregation (`agg`), the normaliser of the summed per-token objective:
 Micro-batching must not change the math: when a step is split into micro-batches, pass
 `total=aggregation_total(full_mask, agg, max_new_tokens)` computed on the whole step, so that
 the micro-batch losses add up to the whole-step loss (and their gradients to its gradient).
+With `is_mask` (MIS) the dropped tokens leave the normaliser too, so the whole-step mask is
+`completion_mask * mis_keep_mask(behaviour_logp, current_logp, is_mask)`.
 
 Deviations from the papers:
   1. [A] states the surrogate with a sequence-level mean (seq-mean); we default to token-mean,
      which removes the length bias that Dr. GRPO and DAPO point out. All three are available.
   2. The lower clip bound of the "current" centre is floored at 0 (`max(rho' - eps_low, 0)`):
      a ratio is never negative, so a negative bound would be vacuous anyway.
+  3. `is_cap` truncates the sampler weight (TIS: w = min(rho', C)). AReaL's own
+     `behav_imp_weight_cap` instead zeroes the tokens above the cap and keeps them in the
+     normaliser; here dropping tokens is `is_mask`'s job, and it drops them from the normaliser too.
 """
 
 import torch
 
 AGGREGATIONS = ("token-mean", "seq-mean", "constant")
+CLIP_CENTERS = ("current", "behaviour", "decoupled")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def aggregation_total(completion_mask: torch.Tensor, agg: str, max_new_tokens: int | None = None) -> float:
@@ -65,6 +73,147 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return (x * mask).sum().item() / n.item() if n.item() > 0 else 0.0
 
 
+def _check_is_mask(is_mask: float | None) -> None:
+    if is_mask is not None and not is_mask >= 1.0:
+        raise ValueError(
+            f"is_mask must be >= 1 (tokens with rho' outside [1/is_mask, is_mask] are dropped), got {is_mask}"
+        )
+
+
+def _mis_keep(rho_prime: torch.Tensor, is_mask: float) -> torch.Tensor:
+    """(N, T) bool: True where 1/is_mask <= rho' <= is_mask (the tokens MIS keeps)."""
+    return (rho_prime >= 1.0 / is_mask) & (rho_prime <= is_mask)
+
+
+def mis_keep_mask(
+    behaviour_logp: torch.Tensor, current_logp: torch.Tensor | None, is_mask: float | None
+) -> torch.Tensor:
+    """The tokens that masked importance sampling (MIS, IcePop) keeps: (N, T) bool.
+
+        keep_t = 1[1/M <= rho'_t <= M],   rho'_t = pi_k(y_t) / alpha(y_t) = exp(current_logp - behaviour_logp)
+
+    M -> is_mask (None keeps every token); current_logp=None means pi_k = alpha (rho' = 1, all kept).
+    `policy_loss(..., is_mask=M)` drops the other tokens from the loss and from its normaliser. A
+    caller that micro-batches a step computes the step's normaliser from the same tokens:
+
+        keep = mis_keep_mask(behaviour_logp, current_logp, M)                 # (N, T) whole step
+        total = aggregation_total(completion_mask * keep, agg, max_new_tokens)
+    """
+    if current_logp is None or is_mask is None:
+        return torch.ones_like(behaviour_logp, dtype=torch.bool)  # (N, T)
+    _check_is_mask(is_mask)
+    rho_prime = torch.exp(current_logp.detach() - behaviour_logp.detach())  # (N, T)
+    return _mis_keep(rho_prime, is_mask)  # (N, T)
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) at the sampled tokens, (N, T) (Schulman 2020).
+
+        k1 = log pi_theta - log pi_ref                              (unbiased; can be negative)
+        k2 = 1/2 (log pi_theta - log pi_ref)^2                      (biased; >= 0)
+        k3 = pi_ref/pi_theta - 1 - log(pi_ref/pi_theta)             (unbiased; >= 0)
+
+    "Unbiased" holds for tokens drawn from pi_theta. As a loss term the gradient flows through
+    logp only, and then (per token, tokens from pi_theta) k1's expected gradient is 0, k2's is the
+    gradient of KL(pi_theta || pi_ref), and k3's that of the reverse KL(pi_ref || pi_theta).
+    """
+    # log(pi_ref / pi_theta); the reference is a constant.
+    log_ref_ratio = ref_logp.detach() - logp  # (N, T)
+    if estimator == "k1":
+        return -log_ref_ratio  # (N, T)
+    if estimator == "k2":
+        return 0.5 * log_ref_ratio**2  # (N, T)
+    if estimator == "k3":
+        return torch.exp(log_ref_ratio) - log_ref_ratio - 1.0  # (N, T)
+    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def _mismatch_stats(
+    log_rho_prime: torch.Tensor, mask: torch.Tensor, is_cap: float | None, keep: torch.Tensor | None
+) -> dict:
+    """The statistics of `sampler_mismatch_stats` from log rho' (N, T), a 0/1 mask and MIS's keep mask."""
+    # No valid token: no mismatch to report.
+    no_tokens = dict.fromkeys(("mismatch_kl_k1", "mismatch_kl_k3", "is_capped_frac", "is_masked_frac"), 0.0)
+    no_tokens.update(dict.fromkeys(("rho_prime_mean", "rho_prime_p50", "rho_prime_p99", "rho_prime_max"), 1.0))
+    if log_rho_prime.numel() == 0:
+        return no_tokens
+    valid = mask > 0  # (N, T)
+    kept = valid if keep is None else valid & keep  # (N, T)
+    rho_prime = torch.exp(log_rho_prime)  # (N, T)
+    # TIS caps only tokens still in the loss; a token MIS dropped counts as dropped, not capped.
+    capped = kept & (rho_prime > is_cap) if is_cap is not None else torch.zeros_like(valid)  # (N, T)
+    # Masked-out tokens become NaN, which nanquantile skips: no boolean indexing, so no device sync.
+    rho_valid = rho_prime.masked_fill(~valid, float("nan")).flatten()  # (N*T,)
+    if rho_valid.dtype != torch.float64:
+        rho_valid = rho_valid.float()  # (N*T,) quantiles need float32 or float64
+    q = torch.tensor([0.5, 0.99], dtype=rho_valid.dtype, device=rho_valid.device)  # (2,)
+    quantiles = torch.nanquantile(rho_valid, q)  # (2,) linear interpolation between order statistics
+
+    def vsum(x: torch.Tensor) -> torch.Tensor:
+        # where(), not x * mask: a masked-out token's inf or nan must not leak into the sum.
+        return torch.where(valid, x, torch.zeros_like(x)).sum()
+
+    # One transfer to the host for all of them.
+    n, k1, k3, rho_sum, p50, p99, rho_max, n_capped, n_masked = torch.stack(
+        [
+            valid.sum(),
+            # k1 and k3 of KL(alpha || pi_k) from tokens drawn from alpha: log(alpha / pi_k) = -log rho',
+            # and pi_k/alpha - 1 - log(pi_k/alpha) = rho' - 1 - log rho' (>= 0).
+            vsum(-log_rho_prime),
+            vsum(rho_prime - 1.0 - log_rho_prime),
+            vsum(rho_prime),
+            quantiles[0],
+            quantiles[1],
+            rho_prime.masked_fill(~valid, float("-inf")).max(),
+            capped.sum(),
+            (valid & ~kept).sum(),
+        ]
+    ).tolist()
+    if n == 0:
+        return no_tokens
+    return {
+        "mismatch_kl_k1": k1 / n,
+        "mismatch_kl_k3": k3 / n,
+        "rho_prime_mean": rho_sum / n,
+        "rho_prime_p50": p50,
+        "rho_prime_p99": p99,
+        "rho_prime_max": rho_max,
+        "is_capped_frac": n_capped / n,
+        "is_masked_frac": n_masked / n,
+    }
+
+
+def sampler_mismatch_stats(
+    behaviour_logp: torch.Tensor,
+    current_logp: torch.Tensor | None,
+    completion_mask: torch.Tensor,
+    *,
+    is_cap: float | None = None,
+    is_mask: float | None = None,
+) -> dict:
+    """How far the sampler alpha is from pi_k, as floats over the valid tokens (completion_mask == 1).
+
+        mismatch_kl_k1   mean_t [ log alpha(y_t) - log pi_k(y_t) ]     KL(alpha || pi_k), k1; y_t ~ alpha
+        mismatch_kl_k3   mean_t [ rho'_t - 1 - log rho'_t ]            the same KL, k3 (>= 0, lower variance)
+        rho_prime_mean, rho_prime_p50, rho_prime_p99, rho_prime_max    of rho'_t = pi_k(y_t) / alpha(y_t)
+        is_capped_frac   fraction of valid tokens that TIS caps (rho' > is_cap and kept by MIS); 0 without is_cap
+        is_masked_frac   fraction of valid tokens that MIS drops (rho' outside [1/is_mask, is_mask]); 0 without is_mask
+
+    They depend on alpha and pi_k only, not on pi_theta: the same at every inner step. `policy_loss`
+    reports them for its own tokens; the quantiles of a step split into micro-batches are not the
+    token-weighted means of the micro-batches' quantiles, so a caller that wants the step's exact
+    p50 / p99 calls this once on the whole step (torch's quantiles take at most 2**24 = 16.7M tokens).
+    """
+    _check_is_mask(is_mask)
+    if current_logp is None:
+        log_rho_prime = torch.zeros_like(behaviour_logp)  # (N, T) pi_k = alpha
+    else:
+        log_rho_prime = current_logp.detach() - behaviour_logp.detach()  # (N, T)
+    mask = completion_mask.to(log_rho_prime.dtype)  # (N, T)
+    keep = None if is_mask is None else _mis_keep(torch.exp(log_rho_prime), is_mask)  # (N, T)
+    return _mismatch_stats(log_rho_prime, mask, is_cap, keep)
+
+
 def policy_loss(
     logp: torch.Tensor,
     behaviour_logp: torch.Tensor,
@@ -80,38 +229,86 @@ def policy_loss(
     agg: str = "token-mean",
     max_new_tokens: int | None = None,
     total: float | None = None,
+    is_cap: float | None = None,
+    is_mask: float | None = None,
+    kl_estimator: str = "k3",
 ) -> tuple[torch.Tensor, dict]:
-    """GRPO's clipped off-policy surrogate with a k3 KL penalty, as a loss to minimise.
+    """GRPO's clipped off-policy surrogate with a KL penalty, as a loss to minimise.
 
-        loss = - agg_t [ min(rho_t * A, clip(rho_t, lo_t, hi_t) * A)  -  beta * kl_t ]
+        loss = - agg_{t kept} [ o_t  -  beta * kl_t ]
 
-        rho_t  = pi_theta(y_t) / alpha(y_t)       = exp(logp - behaviour_logp)    (with grad)
-        rho'_t = pi_k(y_t) / alpha(y_t)           = exp(current_logp - behaviour_logp)  (detached)
-        [lo_t, hi_t] = [max(rho'_t - eps_low, 0), rho'_t + eps_high]   clip_center="current" ([A] f_eps)
-                     = [1 - eps_low, 1 + eps_high]                      clip_center="behaviour" (PPO)
-        kl_t   = exp(ref_logp - logp) - (ref_logp - logp) - 1           (k3, Schulman 2020; >= 0)
+        rho_t  = pi_theta(y_t) / alpha(y_t) = exp(logp - behaviour_logp)          (with grad)
+        rho'_t = pi_k(y_t) / alpha(y_t)     = exp(current_logp - behaviour_logp)   (detached)
+        r_t    = pi_theta(y_t) / pi_k(y_t)  = exp(logp - current_logp) = rho_t / rho'_t   (with grad)
+
+        o_t = min(rho_t A, clip(rho_t, max(rho'_t - eps_low, 0), rho'_t + eps_high) A)   "current"   ([A] f_eps)
+            = min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A)                     "behaviour" (PPO)
+            = w_t * min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A)                   "decoupled" (AReaL)
+        w_t = rho'_t, or min(rho'_t, C) with is_cap = C (TIS); a constant for the gradient
+        kept: every valid token; with is_mask = M (MIS), only those with 1/M <= rho'_t <= M: the
+              others leave the sum and the normaliser (their KL term too), for every centre
+        kl_t = log pi_theta - log pi_ref  (k1)  |  1/2 (log pi_theta - log pi_ref)^2  (k2)
+             | pi_ref/pi_theta - 1 - log(pi_ref/pi_theta)  (k3, default)        (see `kl_penalty`)
 
     [A] (Mroueh et al. 2025, Algorithm 1) writes the surrogate as f_eps(rho, rho', A): the ratio
     is clipped around rho', the ratio of the policy at the start of the step, not around 1, so
     a stale sampler (v > 1) does not clip every token just for being stale. With the sampler
-    refreshed this step, rho' = 1 and both centres coincide.
+    refreshed this step, rho' = 1 and all three centres coincide (w = min(1, C) = 1 as C >= 1).
+
+    AReaL (Fu et al. 2025) decouples the two jobs: r is clipped around 1 (the trust region around
+    pi_k), and rho' corrects for the sampler as a separate weight. [A] is the same kind of
+    objective: multiplying r and its interval by rho' > 0 gives, wherever rho'_t > eps_low,
+
+        min(rho A, clip(rho, rho' - eps_low, rho' + eps_high) A)
+            = rho' * min(r A, clip(r, 1 - eps_low/rho', 1 + eps_high/rho') A)
+
+    so [A] is the uncapped decoupled objective whose trust region in r narrows as rho' grows.
+    (For rho' <= eps_low both lower bounds are vacuous, as r >= 0, and the two still agree.)
+    With one inner step the gradient is taken at r = 1, where neither clip acts: [A] and the
+    uncapped decoupled form give the same rho'-weighted REINFORCE gradient.
+
+    is_cap applies to the decoupled centre only: it truncates the weight w, and the "current" and
+    "behaviour" centres have no separate weight (rho' sits inside rho), so is_cap with them raises.
 
     Legend (symbol -> argument):
         pi_theta -> logp (N, T), with grad;   alpha -> behaviour_logp (N, T);
         pi_k -> current_logp (N, T), None means "equal to behaviour_logp" (rho' = 1);
         pi_ref -> ref_logp (N, T), None means no KL term;   A -> advantages (N,);
-        eps_low -> clip_eps;   eps_high -> clip_eps_high (None means clip_eps);   beta -> beta.
+        eps_low -> clip_eps;   eps_high -> clip_eps_high (None means clip_eps);   beta -> beta;
+        C -> is_cap;   M -> is_mask.
 
     Args:
         completion_mask: (N, T), 1 on valid completion tokens (EOS included).
-        agg, max_new_tokens, total: the aggregation; see the module docstring.
+        agg, max_new_tokens, total: the aggregation; see the module docstring. With is_mask and
+            micro-batches, `total` must count only the kept tokens of the whole step (`mis_keep_mask`).
+        is_cap: C >= 1, decoupled centre only (TIS); None: no cap.
+        is_mask: M >= 1, any centre (MIS); None: every valid token stays.
+        kl_estimator: "k1", "k2" or "k3".
 
     Returns:
         loss: scalar tensor.
-        stats: floats over the valid tokens: clip_low / clip_high (fraction of tokens whose
-            gradient the clip removed, below / above the interval), kl, ratio_mean,
-            rho_prime_mean, rho_prime_max, plus `tokens` (their count).
+        stats: floats over the valid tokens (completion_mask, MIS-dropped ones included):
+            clip_low / clip_high (fraction of tokens whose gradient the clip removed, below / above
+            the interval; a dropped token is never counted), kl (mean of the chosen estimator; 0
+            without a KL term), ratio_mean (of rho), `tokens` (their count), and the sampler
+            mismatch of `sampler_mismatch_stats`: mismatch_kl_k1, mismatch_kl_k3, rho_prime_mean,
+            rho_prime_p50, rho_prime_p99, rho_prime_max, is_capped_frac, is_masked_frac. All are
+            token means except the quantiles and the max: p50 / p99 are this call's; a caller that
+            averages micro-batches by token weight gets an approximation, exact with one micro-batch.
     """
+    if clip_center not in CLIP_CENTERS:
+        raise ValueError(f"clip_center must be one of {CLIP_CENTERS}, got {clip_center!r}")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+    if is_cap is not None and clip_center != "decoupled":
+        raise ValueError(
+            f"is_cap (TIS) caps the sampler weight w = rho' of clip_center='decoupled'; with "
+            f"clip_center={clip_center!r} rho' sits inside the clipped ratio and there is no weight to cap"
+        )
+    if is_cap is not None and not is_cap >= 1.0:
+        # A cap below 1 would shrink the weight of on-policy tokens (rho' = 1) as well.
+        raise ValueError(f"is_cap must be >= 1, got {is_cap}")
+    _check_is_mask(is_mask)
     eps_low = clip_eps
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     mask = completion_mask.to(logp.dtype)  # (N, T)
@@ -120,9 +317,18 @@ def policy_loss(
 
     ratio = torch.exp(logp - behaviour_logp)  # (N, T) rho, carries the gradient
     if current_logp is None:
-        rho_prime = torch.ones_like(ratio)  # (N, T) the sampler is pi_k
+        # The sampler is pi_k.
+        log_rho_prime = torch.zeros_like(ratio)  # (N, T)
+        rho_prime = torch.ones_like(ratio)  # (N, T)
     else:
-        rho_prime = torch.exp(current_logp.detach() - behaviour_logp)  # (N, T)
+        log_rho_prime = current_logp.detach() - behaviour_logp  # (N, T)
+        rho_prime = torch.exp(log_rho_prime)  # (N, T)
+    # MIS: the tokens that stay in the loss and its normaliser.
+    keep = None if is_mask is None else _mis_keep(rho_prime, is_mask)  # (N, T) bool
+    loss_mask = completion_mask if keep is None else completion_mask * keep  # (N, T)
+
+    # pg_ratio is the ratio inside min(): rho for "current" and "behaviour", r for "decoupled".
+    pg_ratio, weight = ratio, None
     if clip_center == "current":
         lo = (rho_prime - eps_low).clamp(min=0.0)  # (N, T)
         hi = rho_prime + eps_high  # (N, T)
@@ -130,34 +336,44 @@ def policy_loss(
         lo = torch.full_like(ratio, 1.0 - eps_low)  # (N, T)
         hi = torch.full_like(ratio, 1.0 + eps_high)  # (N, T)
     else:
-        raise ValueError(f"clip_center must be 'current' or 'behaviour', got {clip_center!r}")
+        log_pi_k = behaviour_logp if current_logp is None else current_logp.detach()  # (N, T)
+        pg_ratio = torch.exp(logp - log_pi_k)  # (N, T) r = pi_theta / pi_k, carries the gradient
+        lo = torch.full_like(ratio, 1.0 - eps_low)  # (N, T)
+        hi = torch.full_like(ratio, 1.0 + eps_high)  # (N, T)
+        weight = rho_prime if is_cap is None else rho_prime.clamp(max=is_cap)  # (N, T) w, detached
+        if keep is not None:
+            # A dropped token's weight is 0, not rho': an overflowing rho' = inf would make inf * 0 = nan.
+            weight = torch.where(keep, weight, torch.zeros_like(weight))  # (N, T)
 
-    unclipped = ratio * adv  # (N, T)
-    clipped = torch.clamp(ratio, lo, hi) * adv  # (N, T)
-    surrogate = torch.min(unclipped, clipped)  # (N, T) [A]'s f_eps(rho, rho', A)
+    unclipped = pg_ratio * adv  # (N, T)
+    clipped = torch.clamp(pg_ratio, lo, hi) * adv  # (N, T)
+    surrogate = torch.min(unclipped, clipped)  # (N, T) [A]'s f_eps(rho, rho', A), or AReaL's min()
+    if weight is not None:
+        surrogate = weight * surrogate  # (N, T) the decoupled objective
     objective = surrogate  # (N, T)
 
     if ref_logp is not None and beta != 0.0:
-        log_ref_ratio = ref_logp.detach() - logp  # (N, T) log(pi_ref / pi_theta)
-        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1.0  # (N, T) k3 estimator of KL(pi_theta || pi_ref)
+        kl = kl_penalty(logp, ref_logp, kl_estimator)  # (N, T) estimate of KL(pi_theta || pi_ref)
         objective = objective - beta * kl  # (N, T)
     else:
         kl = torch.zeros_like(ratio)  # (N, T)
 
-    loss = -aggregate(objective, completion_mask, agg, max_new_tokens, total)
+    loss = -aggregate(objective, loss_mask, agg, max_new_tokens, total)
 
     with torch.no_grad():
         # The min() picks the clipped branch, whose gradient is 0, exactly when the ratio has
         # left the interval on the side the advantage pushes it towards.
-        clip_high = ((ratio > hi) & (adv > 0)).to(mask.dtype)  # (N, T)
-        clip_low = ((ratio < lo) & (adv < 0)).to(mask.dtype)  # (N, T)
+        clip_high = (pg_ratio > hi) & (adv > 0)  # (N, T)
+        clip_low = (pg_ratio < lo) & (adv < 0)  # (N, T)
+        if keep is not None:
+            # A token MIS dropped has no gradient to clip.
+            clip_high, clip_low = clip_high & keep, clip_low & keep  # (N, T)
         stats = {
-            "clip_low": _masked_mean(clip_low, mask),
-            "clip_high": _masked_mean(clip_high, mask),
+            "clip_low": _masked_mean(clip_low.to(mask.dtype), mask),
+            "clip_high": _masked_mean(clip_high.to(mask.dtype), mask),
             "kl": _masked_mean(kl, mask),
             "ratio_mean": _masked_mean(ratio, mask),
-            "rho_prime_mean": _masked_mean(rho_prime, mask),
-            "rho_prime_max": rho_prime[mask > 0].max().item() if mask.sum() > 0 else 1.0,
+            **_mismatch_stats(log_rho_prime, mask, is_cap, keep),
             "tokens": mask.sum().item(),
         }
     return loss, stats
