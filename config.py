@@ -67,7 +67,17 @@ class Config:
     clip_eps: float = arg(0.2, "eps_low, the lower clip width")
     clip_eps_high: float | None = arg(None, "eps_high, the upper clip width (default: --clip-eps)")
     clip_center: str = arg(
-        "current", "centre of the clip interval: current (rho' of [A]) or behaviour (1, PPO)", ["current", "behaviour"]
+        "current",
+        "centre of the clip interval: current (rho' of [A]), behaviour (1, PPO), or decoupled (AReaL: clip "
+        "r = pi_theta/pi_k around 1, weight by rho')",
+        ["current", "behaviour", "decoupled"],
+    )
+    is_cap: float | None = arg(None, "TIS: cap the decoupled centre's weight rho' at this value (>= 1)")
+    is_mask: float | None = arg(
+        None, "MIS: tokens whose rho' lies outside [1/M, M] leave the loss and its normaliser (M >= 1)"
+    )
+    kl_estimator: str = arg(
+        "k3", "KL estimator: k1 = log(pi_theta/pi_ref), k2 = k1^2 / 2, k3 (Schulman)", ["k1", "k2", "k3"]
     )
     beta: float = arg(0.0, "KL coefficient; > 0 keeps a reference model pi_ref")
     ref_refresh: int = arg(0, "copy the policy into pi_ref every this many steps (0 = never)")
@@ -207,6 +217,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"--micro-batch {cfg.micro_batch} must divide the batch N = prompts-per-step * group-size = {n}"
         )
+    if cfg.is_cap is not None and (cfg.loss != "grpo" or cfg.clip_center != "decoupled" or cfg.is_cap < 1):
+        raise ConfigError("--is-cap needs --loss grpo --clip-center decoupled and a value >= 1")
+    if cfg.is_mask is not None and (cfg.loss != "grpo" or cfg.is_mask < 1):
+        raise ConfigError("--is-mask needs --loss grpo and a value >= 1")
     if cfg.ref_refresh and cfg.beta == 0:
         raise ConfigError("--ref-refresh needs --beta > 0 (without KL there is no reference model)")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():

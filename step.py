@@ -24,7 +24,14 @@ import torch
 
 from advantage import group_advantages, red_drop, red_weight
 from config import Config
-from objective import aggregation_total, opmd_loss, policy_loss, rec_loss
+from objective import (
+    aggregation_total,
+    mis_keep_mask,
+    opmd_loss,
+    policy_loss,
+    rec_loss,
+    sampler_mismatch_stats,
+)
 from rollout import Rollout, generate, token_logprobs
 
 
@@ -97,6 +104,19 @@ def compute_advantages(cfg: Config, rewards: torch.Tensor, gen: torch.Generator)
     return adv, valid
 
 
+# Statistics of rho' = pi_k / alpha alone (objective.sampler_mismatch_stats), reported once per step.
+MISMATCH_KEYS = (
+    "mismatch_kl_k1",
+    "mismatch_kl_k3",
+    "rho_prime_mean",
+    "rho_prime_p50",
+    "rho_prime_p99",
+    "rho_prime_max",
+    "is_capped_frac",
+    "is_masked_frac",
+)
+
+
 def loss_fn(cfg: Config, logp, behaviour_logp, current_logp, ref_logp, adv, mask, total):
     """The per-micro-batch loss selected by --loss (objective.py)."""
     common = dict(agg=cfg.agg, max_new_tokens=cfg.max_new_tokens, total=total)
@@ -112,6 +132,9 @@ def loss_fn(cfg: Config, logp, behaviour_logp, current_logp, ref_logp, adv, mask
             clip_eps_high=cfg.clip_eps_high,
             clip_center=cfg.clip_center,
             beta=cfg.beta,
+            is_cap=cfg.is_cap,
+            is_mask=cfg.is_mask,
+            kl_estimator=cfg.kl_estimator,
             **common,
         )
     if cfg.loss in ("rec", "rec-is"):
@@ -142,11 +165,16 @@ def update(cfg: Config, policy, opt, batch: Batch, behaviour_logp, ref_logp) -> 
     n = ids.shape[0]
     mb = cfg.micro_batch or n
     total = aggregation_total(mask, cfg.agg, cfg.max_new_tokens)
+    # MIS drops tokens by rho' = pi_k / alpha, so on a stale step the normaliser is known only once
+    # epoch 0 has recorded log pi_k. Epoch 0 then sums unnormalised and divides at its end: exact,
+    # since every micro-batch shares one normaliser (at refresh steps rho' = 1 and nothing is dropped).
+    late_total = cfg.is_mask is not None and behaviour_logp is not None
     pi_k_logp = torch.zeros_like(mask, dtype=torch.float32)  # (N, T) log pi_k, filled in epoch 0
-    sums, tokens, rho_max, grad_norms, skipped, loss_sum = {}, 0.0, 1.0, [], 0, 0.0
+    sums, tokens, grad_norms, skipped, loss_sum = {}, 0.0, [], 0, 0.0
     policy.train()
     for epoch in range(cfg.inner_steps):
         opt.zero_grad(set_to_none=True)
+        epoch_total, epoch_loss = (1.0 if late_total and epoch == 0 else total), 0.0
         for s in range(0, n, mb):
             rows = slice(s, s + mb)
             if mask[rows].sum() == 0 and epoch > 0:
@@ -161,15 +189,25 @@ def update(cfg: Config, policy, opt, batch: Batch, behaviour_logp, ref_logp) -> 
                 pi_k_logp[rows] = logp.detach()
             b_logp = pi_k_logp[rows] if behaviour_logp is None else behaviour_logp[rows]
             r_logp = ref_logp[rows] if ref_logp is not None else None
-            loss, st = loss_fn(cfg, logp, b_logp, pi_k_logp[rows], r_logp, adv[rows], mask[rows], total)
+            loss, st = loss_fn(cfg, logp, b_logp, pi_k_logp[rows], r_logp, adv[rows], mask[rows], epoch_total)
             loss.backward()
             w = st.pop("tokens")
             tokens += w
-            rho_max = max(rho_max, st.pop("rho_prime_max", 1.0))
+            for key in MISMATCH_KEYS:
+                # The sampler's mismatch is computed once for the whole step below.
+                st.pop(key, None)
             for key, v in st.items():
                 sums[key] = sums.get(key, 0.0) + v * w
             # Micro-batch losses add up to the step's loss.
-            loss_sum += loss.item()
+            epoch_loss += loss.item()
+        if late_total and epoch == 0:
+            total = aggregation_total(mask * mis_keep_mask(behaviour_logp, pi_k_logp, cfg.is_mask), cfg.agg,
+                                      cfg.max_new_tokens)  # fmt: skip
+            for p in policy.parameters():
+                if p.grad is not None:
+                    p.grad.div_(total)
+            epoch_loss /= total
+        loss_sum += epoch_loss
         norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
         if torch.isfinite(norm):
             opt.step()
@@ -177,9 +215,12 @@ def update(cfg: Config, policy, opt, batch: Batch, behaviour_logp, ref_logp) -> 
             skipped += 1  # non-finite gradient: no optimizer step
         grad_norms.append(norm.item())
     stats = {k: v / max(tokens, 1.0) for k, v in sums.items()}
+    alpha_logp = pi_k_logp if behaviour_logp is None else behaviour_logp
+    # rho' = pi_k / alpha does not depend on pi_theta: its quantiles, max and the TIS / MIS fractions are
+    # the whole step's, exact whatever the micro-batching.
+    stats.update(sampler_mismatch_stats(alpha_logp, pi_k_logp, mask, is_cap=cfg.is_cap, is_mask=cfg.is_mask))
     stats.update(
         loss=loss_sum / cfg.inner_steps,
-        rho_prime_max=rho_max,
         grad_norm=sum(grad_norms) / len(grad_norms),
         nonfinite_updates=skipped,
     )

@@ -158,6 +158,9 @@ def test_bad_data_files_get_a_one_line_error(tmp_path, case, expect):
         (["--temperature", "0"], "--temperature must be > 0"),
         (["--task", "chess"], "--task: unknown value 'chess'"),
         (["--clip-center", "middle"], "--clip-center: unknown value"),
+        (["--is-cap", "2"], "--is-cap needs --loss grpo --clip-center decoupled"),
+        (["--is-mask", "0.5"], "--is-mask needs --loss grpo and a value >= 1"),
+        (["--kl-estimator", "k4"], "--kl-estimator: unknown value"),
         (
             ["--model", "/no/such/model", "--task", "gsm8k", "--data-files", "DATA"],
             "--model /no/such/model: cannot be loaded",

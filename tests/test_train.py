@@ -113,6 +113,34 @@ def test_micro_batched_gradient_equals_whole_batch(model, tok, agg):
     assert torch.allclose(grads[2], grads[0], atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "constant"])
+@pytest.mark.parametrize("center, is_cap", [("current", None), ("decoupled", 1.2)])
+def test_mis_on_a_stale_step_micro_batched_equals_policy_loss_on_the_whole_batch(model, tok, agg, center, is_cap):
+    # MIS's normaliser depends on log pi_k, which update() records during its first epoch: the gradient
+    # of every micro-batching must still be objective.policy_loss's on the whole batch.
+    from objective import aggregation_total, mis_keep_mask, policy_loss
+
+    batch = make_batch(model, tok, seed=3)
+    noise = 0.4 * torch.randn(batch.completion_mask.shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        lp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
+    behaviour = lp + noise  # (N, T) a stale sampler: rho' = exp(-noise)
+    keep = mis_keep_mask(behaviour, lp, 1.3)
+    assert (batch.loss_mask.bool() & ~keep).any() and (batch.loss_mask.bool() & keep).any()  # MIS drops some
+    model.zero_grad()
+    logp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
+    kw = dict(clip_center=center, is_cap=is_cap, is_mask=1.3, agg=agg, max_new_tokens=5)
+    total = aggregation_total(batch.loss_mask * keep, agg, 5)
+    policy_loss(logp, behaviour, lp, None, batch.advantages, batch.loss_mask, total=total, **kw)[0].backward()
+    expected = torch.cat([p.grad.flatten() for p in model.parameters()]).clone()
+    for mb in (None, 4, 2):
+        opt = RecordingOptimizer(model.parameters())
+        cfg = cfg_for(micro_batch=mb, agg=agg, clip_center=center, is_cap=is_cap, is_mask=1.3, max_new_tokens=5)
+        stats, _ = train.update(cfg, model, opt, batch, behaviour, None)
+        assert torch.allclose(opt.grads[0], expected, atol=1e-6, rtol=1e-4), mb
+        assert stats["is_masked_frac"] > 0 and (stats["is_capped_frac"] > 0) == (is_cap is not None)
+
+
 def test_pi_k_is_recorded_from_the_first_inner_epoch(model, tok):
     batch = make_batch(model, tok, seed=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
