@@ -6,6 +6,11 @@ Every loss here takes per-token log-probs of the completions, shape (N, T), and 
 `completion_mask` (N, T) that is 1 on the tokens that count: the completion tokens up to and
 including EOS, of the completions whose group carries signal (the caller folds `valid` in).
 
+Each loss is two steps: a per-token function gives the (N, T) objective and the masks its statistics need
+(`surrogate_per_token`, `rec_per_token`, `opmd_per_token`), and the loss aggregates it (`policy_loss`,
+`rec_loss`, `opmd_loss`). An engine with its own aggregation and KL term calls the per-token function alone
+(verl_grpo.py does).
+
 Aggregation (`agg`), the normaliser of the summed per-token objective:
     token-mean  sum over all valid tokens of the step / their count  (no length bias; default)
     seq-mean    mean over each sequence's tokens, then mean over sequences  (original GRPO)
@@ -214,6 +219,106 @@ def sampler_mismatch_stats(
     return _mismatch_stats(log_rho_prime, mask, is_cap, keep)
 
 
+def _token_advantages(advantages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A per sequence (N,) as (N, 1), broadcast over the tokens; a per-token A (N, T) as is."""
+    adv = advantages.to(dtype)
+    return adv.unsqueeze(1) if adv.dim() == 1 else adv  # (N, 1) or (N, T)
+
+
+def surrogate_per_token(
+    logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    current_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    *,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    clip_center: str = "current",
+    is_cap: float | None = None,
+    is_mask: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The per-token clipped surrogate o_t of `policy_loss`, before the KL term and the aggregation.
+
+        o_t = min(rho_t A, clip(rho_t, max(rho'_t - eps_low, 0), rho'_t + eps_high) A)   "current"   ([A] f_eps)
+            = min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A)                     "behaviour" (PPO)
+            = w_t * min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A)                   "decoupled" (AReaL)
+
+        rho_t  = pi_theta(y_t) / alpha(y_t) = exp(logp - behaviour_logp)          (with grad)
+        rho'_t = pi_k(y_t) / alpha(y_t)     = exp(current_logp - behaviour_logp)   (detached)
+        r_t    = pi_theta(y_t) / pi_k(y_t)  = exp(logp - current_logp)             (with grad)
+        w_t    = rho'_t, or min(rho'_t, C) (TIS); 0 on the tokens MIS drops; a constant for the gradient
+
+    Legend (symbol -> argument): pi_theta -> logp (N, T), with grad; alpha -> behaviour_logp (N, T);
+    pi_k -> current_logp (N, T), None means "equal to behaviour_logp" (rho' = 1); A -> advantages, (N,) per
+    sequence or (N, T) per token; eps_low -> clip_eps; eps_high -> clip_eps_high (None means clip_eps);
+    C -> is_cap (decoupled centre only, >= 1); M -> is_mask (>= 1). See `policy_loss` for the centres.
+
+    Returns, all (N, T):
+        objective: o_t, with grad. The caller multiplies `keep` into the mask it aggregates with.
+        ratio: rho_t, with grad.
+        clip_low, clip_high: bool, the tokens whose gradient the clip removed, below / above the interval
+            (the ratio left it on the side the advantage pushes it towards); never a token MIS dropped.
+        keep: bool, the tokens MIS keeps (1/M <= rho'_t <= M); None without is_mask.
+    """
+    if clip_center not in CLIP_CENTERS:
+        raise ValueError(f"clip_center must be one of {CLIP_CENTERS}, got {clip_center!r}")
+    if is_cap is not None and clip_center != "decoupled":
+        raise ValueError(
+            f"is_cap (TIS) caps the sampler weight w = rho' of clip_center='decoupled'; with "
+            f"clip_center={clip_center!r} rho' sits inside the clipped ratio and there is no weight to cap"
+        )
+    if is_cap is not None and not is_cap >= 1.0:
+        # A cap below 1 would shrink the weight of on-policy tokens (rho' = 1) as well.
+        raise ValueError(f"is_cap must be >= 1, got {is_cap}")
+    _check_is_mask(is_mask)
+    eps_low = clip_eps
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    adv = _token_advantages(advantages, logp.dtype)  # (N, 1) or (N, T)
+    behaviour_logp = behaviour_logp.detach()
+
+    ratio = torch.exp(logp - behaviour_logp)  # (N, T) rho, carries the gradient
+    if current_logp is None:
+        # The sampler is pi_k.
+        rho_prime = torch.ones_like(ratio)  # (N, T)
+    else:
+        rho_prime = torch.exp(current_logp.detach() - behaviour_logp)  # (N, T)
+    # MIS: the tokens that stay in the loss and its normaliser.
+    keep = None if is_mask is None else _mis_keep(rho_prime, is_mask)  # (N, T) bool
+
+    # pg_ratio is the ratio inside min(): rho for "current" and "behaviour", r for "decoupled".
+    pg_ratio, weight = ratio, None
+    if clip_center == "current":
+        lo = (rho_prime - eps_low).clamp(min=0.0)  # (N, T)
+        hi = rho_prime + eps_high  # (N, T)
+    elif clip_center == "behaviour":
+        lo = torch.full_like(ratio, 1.0 - eps_low)  # (N, T)
+        hi = torch.full_like(ratio, 1.0 + eps_high)  # (N, T)
+    else:
+        log_pi_k = behaviour_logp if current_logp is None else current_logp.detach()  # (N, T)
+        pg_ratio = torch.exp(logp - log_pi_k)  # (N, T) r = pi_theta / pi_k, carries the gradient
+        lo = torch.full_like(ratio, 1.0 - eps_low)  # (N, T)
+        hi = torch.full_like(ratio, 1.0 + eps_high)  # (N, T)
+        weight = rho_prime if is_cap is None else rho_prime.clamp(max=is_cap)  # (N, T) w, detached
+        if keep is not None:
+            # A dropped token's weight is 0, not rho': an overflowing rho' = inf would make inf * 0 = nan.
+            weight = torch.where(keep, weight, torch.zeros_like(weight))  # (N, T)
+
+    unclipped = pg_ratio * adv  # (N, T)
+    clipped = torch.clamp(pg_ratio, lo, hi) * adv  # (N, T)
+    objective = torch.min(unclipped, clipped)  # (N, T) [A]'s f_eps(rho, rho', A), or AReaL's min()
+    if weight is not None:
+        objective = weight * objective  # (N, T) the decoupled objective
+
+    # The min() picks the clipped branch, whose gradient is 0, exactly when the ratio has
+    # left the interval on the side the advantage pushes it towards.
+    clip_high = (pg_ratio > hi) & (adv > 0)  # (N, T)
+    clip_low = (pg_ratio < lo) & (adv < 0)  # (N, T)
+    if keep is not None:
+        # A token MIS dropped has no gradient to clip.
+        clip_high, clip_low = clip_high & keep, clip_low & keep  # (N, T)
+    return objective, ratio, clip_low, clip_high, keep
+
+
 def policy_loss(
     logp: torch.Tensor,
     behaviour_logp: torch.Tensor,
@@ -249,6 +354,8 @@ def policy_loss(
               others leave the sum and the normaliser (their KL term too), for every centre
         kl_t = log pi_theta - log pi_ref  (k1)  |  1/2 (log pi_theta - log pi_ref)^2  (k2)
              | pi_ref/pi_theta - 1 - log(pi_ref/pi_theta)  (k3, default)        (see `kl_penalty`)
+
+    o_t is `surrogate_per_token`'s; an engine with its own aggregation and KL term (verl_grpo.py) calls it alone.
 
     [A] (Mroueh et al. 2025, Algorithm 1) writes the surrogate as f_eps(rho, rho', A): the ratio
     is clipped around rho', the ratio of the policy at the start of the step, not around 1, so
@@ -296,61 +403,22 @@ def policy_loss(
             token means except the quantiles and the max: p50 / p99 are this call's; a caller that
             averages micro-batches by token weight gets an approximation, exact with one micro-batch.
     """
-    if clip_center not in CLIP_CENTERS:
-        raise ValueError(f"clip_center must be one of {CLIP_CENTERS}, got {clip_center!r}")
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-    if is_cap is not None and clip_center != "decoupled":
-        raise ValueError(
-            f"is_cap (TIS) caps the sampler weight w = rho' of clip_center='decoupled'; with "
-            f"clip_center={clip_center!r} rho' sits inside the clipped ratio and there is no weight to cap"
-        )
-    if is_cap is not None and not is_cap >= 1.0:
-        # A cap below 1 would shrink the weight of on-policy tokens (rho' = 1) as well.
-        raise ValueError(f"is_cap must be >= 1, got {is_cap}")
-    _check_is_mask(is_mask)
-    eps_low = clip_eps
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    objective, ratio, clip_low, clip_high, keep = surrogate_per_token(
+        logp,
+        behaviour_logp,
+        current_logp,
+        advantages,
+        clip_eps=clip_eps,
+        clip_eps_high=clip_eps_high,
+        clip_center=clip_center,
+        is_cap=is_cap,
+        is_mask=is_mask,
+    )
     mask = completion_mask.to(logp.dtype)  # (N, T)
-    adv = advantages.to(logp.dtype).unsqueeze(1)  # (N, 1)
-    behaviour_logp = behaviour_logp.detach()
-
-    ratio = torch.exp(logp - behaviour_logp)  # (N, T) rho, carries the gradient
-    if current_logp is None:
-        # The sampler is pi_k.
-        log_rho_prime = torch.zeros_like(ratio)  # (N, T)
-        rho_prime = torch.ones_like(ratio)  # (N, T)
-    else:
-        log_rho_prime = current_logp.detach() - behaviour_logp  # (N, T)
-        rho_prime = torch.exp(log_rho_prime)  # (N, T)
     # MIS: the tokens that stay in the loss and its normaliser.
-    keep = None if is_mask is None else _mis_keep(rho_prime, is_mask)  # (N, T) bool
     loss_mask = completion_mask if keep is None else completion_mask * keep  # (N, T)
-
-    # pg_ratio is the ratio inside min(): rho for "current" and "behaviour", r for "decoupled".
-    pg_ratio, weight = ratio, None
-    if clip_center == "current":
-        lo = (rho_prime - eps_low).clamp(min=0.0)  # (N, T)
-        hi = rho_prime + eps_high  # (N, T)
-    elif clip_center == "behaviour":
-        lo = torch.full_like(ratio, 1.0 - eps_low)  # (N, T)
-        hi = torch.full_like(ratio, 1.0 + eps_high)  # (N, T)
-    else:
-        log_pi_k = behaviour_logp if current_logp is None else current_logp.detach()  # (N, T)
-        pg_ratio = torch.exp(logp - log_pi_k)  # (N, T) r = pi_theta / pi_k, carries the gradient
-        lo = torch.full_like(ratio, 1.0 - eps_low)  # (N, T)
-        hi = torch.full_like(ratio, 1.0 + eps_high)  # (N, T)
-        weight = rho_prime if is_cap is None else rho_prime.clamp(max=is_cap)  # (N, T) w, detached
-        if keep is not None:
-            # A dropped token's weight is 0, not rho': an overflowing rho' = inf would make inf * 0 = nan.
-            weight = torch.where(keep, weight, torch.zeros_like(weight))  # (N, T)
-
-    unclipped = pg_ratio * adv  # (N, T)
-    clipped = torch.clamp(pg_ratio, lo, hi) * adv  # (N, T)
-    surrogate = torch.min(unclipped, clipped)  # (N, T) [A]'s f_eps(rho, rho', A), or AReaL's min()
-    if weight is not None:
-        surrogate = weight * surrogate  # (N, T) the decoupled objective
-    objective = surrogate  # (N, T)
 
     if ref_logp is not None and beta != 0.0:
         kl = kl_penalty(logp, ref_logp, kl_estimator)  # (N, T) estimate of KL(pi_theta || pi_ref)
@@ -361,22 +429,52 @@ def policy_loss(
     loss = -aggregate(objective, loss_mask, agg, max_new_tokens, total)
 
     with torch.no_grad():
-        # The min() picks the clipped branch, whose gradient is 0, exactly when the ratio has
-        # left the interval on the side the advantage pushes it towards.
-        clip_high = (pg_ratio > hi) & (adv > 0)  # (N, T)
-        clip_low = (pg_ratio < lo) & (adv < 0)  # (N, T)
-        if keep is not None:
-            # A token MIS dropped has no gradient to clip.
-            clip_high, clip_low = clip_high & keep, clip_low & keep  # (N, T)
         stats = {
             "clip_low": _masked_mean(clip_low.to(mask.dtype), mask),
             "clip_high": _masked_mean(clip_high.to(mask.dtype), mask),
             "kl": _masked_mean(kl, mask),
             "ratio_mean": _masked_mean(ratio, mask),
-            **_mismatch_stats(log_rho_prime, mask, is_cap, keep),
+            **sampler_mismatch_stats(behaviour_logp, current_logp, completion_mask, is_cap=is_cap, is_mask=is_mask),
             "tokens": mask.sum().item(),
         }
     return loss, stats
+
+
+def rec_per_token(
+    logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    importance_weight: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-token objective of REC / REC-IS ([B]), before the aggregation (`rec_loss` is -agg of it).
+
+        o_t = A * logp_t * M_t              (rec)
+        o_t = A * sg(rho_t) * logp_t * M_t  (rec-is, importance_weight=True)
+
+        M_t = 1[A > 0 and rho_t <= 1 + eps_high] + 1[A < 0 and rho_t >= 1 - eps_low]
+        rho_t = exp(logp_t - behaviour_logp_t), detached (sg = stop-gradient)
+
+    Legend: pi_theta -> logp (N, T), with grad; alpha -> behaviour_logp (N, T); A -> advantages, (N,) per
+    sequence or (N, T) per token; eps_low -> clip_eps; eps_high -> clip_eps_high (None means clip_eps).
+
+    Returns, all (N, T): objective (o_t, with grad through logp only), ratio (rho_t, detached), and the bool
+    masks clip_low / clip_high of the tokens M_t drops below 1 - eps_low (A < 0) / above 1 + eps_high (A > 0).
+    """
+    eps_low = clip_eps
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    adv = _token_advantages(advantages, logp.dtype)  # (N, 1) or (N, T)
+    ratio = torch.exp(logp.detach() - behaviour_logp.detach())  # (N, T) detached rho
+    keep_pos = (adv > 0) & (ratio <= 1.0 + eps_high)  # (N, T)
+    keep_neg = (adv < 0) & (ratio >= 1.0 - eps_low)  # (N, T)
+    m = (keep_pos | keep_neg).to(logp.dtype)  # (N, T) M_t
+    weight = ratio if importance_weight else torch.ones_like(ratio)  # (N, T)
+    objective = adv * weight * logp * m  # (N, T)
+    clip_low = (adv < 0) & (ratio < 1.0 - eps_low)  # (N, T)
+    clip_high = (adv > 0) & (ratio > 1.0 + eps_high)  # (N, T)
+    return objective, ratio, clip_low, clip_high
 
 
 def rec_loss(
@@ -403,29 +501,47 @@ def rec_loss(
     The mask drops exactly the tokens that PPO's clip would silence: positive-advantage tokens
     already made much more likely than the sampler made them, and negative ones already made
     much less likely. Its gradient is A * M_t * grad logp_t: plain REINFORCE on the kept tokens.
+    The per-token term is `rec_per_token`'s.
 
     Returns (loss, stats) with stats clip_low / clip_high (fraction of tokens masked on each
     side), ratio_mean and tokens.
     """
-    eps_low = clip_eps
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    objective, ratio, clip_low, clip_high = rec_per_token(
+        logp,
+        behaviour_logp,
+        advantages,
+        clip_eps=clip_eps,
+        clip_eps_high=clip_eps_high,
+        importance_weight=importance_weight,
+    )
     mask = completion_mask.to(logp.dtype)  # (N, T)
-    adv = advantages.to(logp.dtype).unsqueeze(1)  # (N, 1)
-    ratio = torch.exp(logp.detach() - behaviour_logp.detach())  # (N, T) detached rho
-    keep_pos = (adv > 0) & (ratio <= 1.0 + eps_high)  # (N, T)
-    keep_neg = (adv < 0) & (ratio >= 1.0 - eps_low)  # (N, T)
-    m = (keep_pos | keep_neg).to(logp.dtype)  # (N, T) M_t
-    weight = ratio if importance_weight else torch.ones_like(ratio)  # (N, T)
-    objective = adv * weight * logp * m  # (N, T)
     loss = -aggregate(objective, completion_mask, agg, max_new_tokens, total)
     with torch.no_grad():
         stats = {
-            "clip_low": _masked_mean(((adv < 0) & (ratio < 1.0 - eps_low)).to(mask.dtype), mask),
-            "clip_high": _masked_mean(((adv > 0) & (ratio > 1.0 + eps_high)).to(mask.dtype), mask),
+            "clip_low": _masked_mean(clip_low.to(mask.dtype), mask),
+            "clip_high": _masked_mean(clip_high.to(mask.dtype), mask),
             "ratio_mean": _masked_mean(ratio, mask),
             "tokens": mask.sum().item(),
         }
     return loss, stats
+
+
+def opmd_per_token(
+    logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor, *, tau_reg: float = 0.1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token loss of OPMD ([B]), before the aggregation (`opmd_loss` is agg of it; a loss, not an o_t).
+
+        l_t = - A * logp_t + (tau_reg / 2) * (logp_t - behaviour_logp_t)^2
+
+    Legend: pi_theta -> logp (N, T), with grad; alpha -> behaviour_logp (N, T); A -> advantages, (N,) per
+    sequence or (N, T) per token (group-mean advantages r - mean(r), as [B] derives it); tau_reg -> tau_reg.
+
+    Returns, both (N, T): per_token (l_t, with grad) and log_ratio (log rho_t = logp_t - behaviour_logp_t, with grad).
+    """
+    adv = _token_advantages(advantages, logp.dtype)  # (N, 1) or (N, T)
+    log_ratio = logp - behaviour_logp.detach()  # (N, T)
+    per_token = -adv * logp + 0.5 * tau_reg * log_ratio**2  # (N, T)
+    return per_token, log_ratio
 
 
 def opmd_loss(
@@ -446,13 +562,12 @@ def opmd_loss(
     The caller passes group-mean advantages (r - mean(r), `scale_std=False`), as [B] derives it.
     The quadratic term is the online-mirror-descent proximal penalty: it pulls pi_theta back to
     the sampler alpha in proportion to how far it has moved, instead of clipping.
+    The per-token term is `opmd_per_token`'s.
 
     Returns (loss, stats) with stats ratio_mean, sq_log_ratio (mean of the squared log-ratio) and tokens.
     """
+    per_token, log_ratio = opmd_per_token(logp, behaviour_logp, advantages, tau_reg=tau_reg)
     mask = completion_mask.to(logp.dtype)  # (N, T)
-    adv = advantages.to(logp.dtype).unsqueeze(1)  # (N, 1)
-    log_ratio = logp - behaviour_logp.detach()  # (N, T)
-    per_token = -adv * logp + 0.5 * tau_reg * log_ratio**2  # (N, T)
     loss = aggregate(per_token, completion_mask, agg, max_new_tokens, total)
     with torch.no_grad():
         stats = {

@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from advantage import group_advantages, red_drop, red_weight
-from objective import aggregation_total, opmd_loss, policy_loss, rec_loss
+from objective import (
+    aggregation_total,
+    opmd_loss,
+    opmd_per_token,
+    policy_loss,
+    rec_loss,
+    rec_per_token,
+    surrogate_per_token,
+)
 
 # --------------------------------------------------------------------------- advantages
 
@@ -252,3 +260,31 @@ def test_opmd_loss_matches_loop():
         seqs.append(sum(terms) / k)
     assert loss.item() == pytest.approx(sum(seqs) / n_seq, rel=1e-10)
     assert torch.allclose(x.grad, grad, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- per-token terms
+
+
+@pytest.mark.parametrize("center", ["current", "behaviour", "decoupled"])
+def test_per_token_terms_take_per_sequence_or_per_token_advantages(center):
+    # verl_grpo.py passes A already broadcast over the response, (N, T); the losses pass (N,). Same terms.
+    logp, blogp, clogp, _, adv, _ = random_batch(1, n=8, t=6, spread=0.5)
+    adv_tok = adv.unsqueeze(1).expand_as(logp)  # (N, T)
+    kw = dict(clip_eps=0.2, clip_eps_high=0.28, clip_center=center, is_mask=2.0)
+    per_seq = surrogate_per_token(logp, blogp, clogp, adv, **kw)
+    per_tok = surrogate_per_token(logp, blogp, clogp, adv_tok, **kw)
+    for a, b in zip(per_seq, per_tok, strict=True):
+        assert a.shape == logp.shape and torch.equal(a, b)
+    # The batch has clipped tokens on both sides and MIS-dropped ones, so the masks are not trivially equal.
+    _, _, clip_low, clip_high, keep = per_seq
+    assert clip_low.any() and clip_high.any() and not keep.all()
+    for a, b in zip(
+        rec_per_token(logp, blogp, adv, importance_weight=True),
+        rec_per_token(logp, blogp, adv_tok, importance_weight=True),
+        strict=True,
+    ):
+        assert a.shape == logp.shape and torch.equal(a, b)
+    for a, b in zip(
+        opmd_per_token(logp, blogp, adv, tau_reg=0.3), opmd_per_token(logp, blogp, adv_tok, tau_reg=0.3), strict=True
+    ):
+        assert a.shape == logp.shape and torch.equal(a, b)

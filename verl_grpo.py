@@ -1,0 +1,230 @@
+"""[A]'s off-policy GRPO and [B]'s REC / OPMD as verl (0.9.1) plugins: policy losses and an advantage estimator.
+
+Importing this module registers, with verl's own registries in `verl.trainer.ppo.core_algos`:
+    policy losses  "offpolicy_grpo", "rec", "rec_is", "opmd"   (actor_rollout_ref.actor.policy_loss.loss_mode)
+    advantage      "grpo_masked"                              (algorithm.adv_estimator)
+Nothing else runs at import. verl's Ray workers import it when launched with VERL_USE_EXTERNAL_MODULES=verl_grpo
+(and this folder on PYTHONPATH). The per-token objectives are objective.py's own `surrogate_per_token`,
+`rec_per_token` and `opmd_per_token`, called on verl's tensors (tests/test_verl_grpo.py pins the losses to
+`policy_loss`, `rec_loss`, `opmd_loss`); the advantages are advantage.py's `group_advantages`.
+
+Translation of verl's inputs (legend, symbol -> verl tensor, all (N, T) with N sequences, T response tokens):
+    log pi_theta -> log_prob (with grad);   log pi_k -> old_log_prob (verl's recompute at the start of the step);
+    rho' = pi_k / alpha -> rollout_is_weights (None means alpha = pi_k, rho' = 1);
+    log alpha = old_log_prob - log rollout_is_weights;   A -> advantages (N, T) (broadcast over the response);
+    eps_low, eps_high -> actor.clip_ratio_low / clip_ratio_high (each falls back to actor.clip_ratio).
+The loss is aggregated by verl's `agg_loss` with `config.global_batch_info` (global token / sequence counts and
+the data-parallel size), so it does not change with the number of ranks or micro-batches. beta stays 0 here:
+verl adds its own KL loss (actor.use_kl_loss=True; kl_loss_type=low_var_kl is the k3 estimator, clamped).
+
+verl settings that make rollout_is_weights the untruncated token-level pi_k / alpha that [A] needs:
+    actor_rollout_ref.rollout.calculate_log_probs=True    the sampler's log alpha (default True in 0.9.1)
+    algorithm.rollout_correction.bypass_mode=False         recompute old_log_prob = log pi_k (bypass would
+                                                           set old_log_prob = log alpha and drop the weights)
+    algorithm.rollout_correction.rollout_is=token          per token, not the sequence product
+    algorithm.rollout_correction.rollout_is_threshold=1e9  a float is a truncation cap (TIS): make it inert;
+                                                           verl still clamps log rho' to [-20, 20]
+    algorithm.rollout_correction.rollout_is_batch_normalize=False, rollout_rs=null   (the defaults)
+A "lo_hi" threshold (IcePop) zeroes rho' outside [lo, hi]; such tokens, like padding, get no gradient here.
+
+Staleness: which verl setting corresponds to train.py's `--offpolicy-steps v` (refresh alpha every v steps):
+  - v = 1: trainer.v1.trainer_mode=sync (the default) with data.train_batch_size = actor.ppo_mini_batch_size;
+    rho' is then 1 up to the rollout engine's numerics (vLLM bf16 against the trainer's fp32).
+  - one-step-off (trainer.v1.trainer_mode=colocate_async with trainer.v1.colocate_async.num_warmup_batches=1,
+    or the verl.experimental.one_step_off_policy recipe): alpha is always one version behind pi_k and
+    old_log_prob is recomputed every step, so this is [A]'s surrogate exactly, under a constant lag of 1
+    rather than [A]'s lag cycling 0..v-1. Partial rollouts mix two versions inside one response; token-level
+    rho' accounts for that, a sequence-level weight would not.
+  - fully async (trainer.v1.trainer_mode=separate_async with trainer.v1.separate_async.parameter_sync_step=v,
+    or verl.experimental.fully_async_policy with async_training.trigger_parameter_sync_step=v): the sampler's
+    weights are refreshed every v optimizer updates, as with --offpolicy-steps v. But in decoupled mode verl
+    pins old_log_prob to the weights at the start of each v-update cycle, so rho' covers only the rollout's
+    lag behind that point, and the drift within the cycle sits in pi_theta / pi_old, clipped around 1: for
+    that part this is the behaviour-centred clip (train.py --clip-center behaviour), not [A]'s.
+  Both experimental recipes ship with rollout_correction.bypass_mode=True: set it to False.
+
+Deviations from objective.py:
+  1. log pi_theta is clamped to within 20 nats of log pi_k (log(pi_theta / pi_k) to [-20, 20]) before it enters
+     objective.py's per-token terms, as verl's own losses clamp that log-ratio before exp (numerical guard). A
+     token past the bound gets no gradient, in every loss here (rec / opmd's REINFORCE term included).
+  2. rho' comes from verl, which clamps log rho' to [-20, 20] (exp(20) ~ 4.9e8) even when untruncated.
+  3. opmd reads tau_reg from actor.policy_loss.dro_beta (verl's coefficient of the same quadratic log-ratio
+     penalty in its "dro" loss), 0.1 (objective.opmd_loss's default) when unset.
+  4. actor/rho_prime_max is a mean over micro-batches of their maxima: verl averages every loss metric.
+"""
+
+import numpy as np
+import torch
+import verl.utils.torch_functional as verl_F
+from verl.trainer.ppo.core_algos import agg_loss, register_adv_est, register_policy_loss
+
+import advantage
+import objective
+
+# verl's own guard on log-ratios before exp (core_algos, rollout_corr_helper)
+LOG_RATIO_BOUND = 20.0
+# objective.opmd_loss's default tau_reg, used when actor.policy_loss.dro_beta is unset
+OPMD_TAU_DEFAULT = 0.1
+
+
+def _clip_widths(config) -> tuple[float, float]:
+    """eps_low, eps_high from verl's stock ActorConfig: clip_ratio_low / high, else clip_ratio."""
+    eps = config.get("clip_ratio", 0.2)
+    eps_low = config.get("clip_ratio_low", None)
+    eps_high = config.get("clip_ratio_high", None)
+    return (eps if eps_low is None else eps_low), (eps if eps_high is None else eps_high)
+
+
+def _logps(old_log_prob, log_prob, rollout_is_weights):
+    """verl's tensors as objective.py's arguments, all (N, T).
+
+    Returns log pi_theta (guarded, with grad), log alpha, log pi_k (None when alpha = pi_k), rho' = pi_k / alpha
+    as verl gives it, and the tokens with rho' > 0 (`live`).
+    """
+    log_pi_k = old_log_prob.detach()  # (N, T)
+    # Deviation 1: log(pi_theta / pi_k) kept in [-20, 20], as verl clamps it; the gradient is 0 past the bound.
+    logp = torch.clamp(log_prob, log_pi_k - LOG_RATIO_BOUND, log_pi_k + LOG_RATIO_BOUND)  # (N, T)
+    if rollout_is_weights is None:
+        # alpha = pi_k: objective.py's current_logp=None, rho' = 1.
+        ones = torch.ones_like(log_pi_k)  # (N, T)
+        return logp, log_pi_k, None, ones, ones > 0
+    rho_prime = rollout_is_weights.detach().to(log_pi_k.dtype)  # (N, T)
+    # Padding (and IcePop-rejected tokens) carry rho' = 0: clamp so that log alpha stays finite there.
+    log_rho_prime = torch.log(rho_prime.clamp(min=torch.finfo(log_pi_k.dtype).tiny))  # (N, T)
+    log_alpha = log_pi_k - log_rho_prime  # (N, T) log alpha = log pi_k - log rho'
+    return logp, log_alpha, log_pi_k, rho_prime, rho_prime > 0
+
+
+def _aggregate(loss_mat, live, response_mask, loss_agg_mode, config):
+    """verl's agg_loss over the response tokens with the global batch counts; tokens with rho' = 0 add 0."""
+    loss_mat = torch.where(live, loss_mat, torch.zeros_like(loss_mat))  # (N, T)
+    mask = response_mask.bool()  # (N, T)
+    return agg_loss(loss_mat=loss_mat, loss_mask=mask, loss_agg_mode=loss_agg_mode, **config.global_batch_info)
+
+
+def _metrics(log_prob, old_log_prob, rho_prime, response_mask, **fractions) -> dict:
+    """verl-style actor metrics: ppo_kl = mean(log pi_k - log pi_theta), rho' mean and max, clip fractions."""
+    mask = response_mask.bool()  # (N, T)
+    with torch.no_grad():
+        metrics = {
+            "actor/ppo_kl": verl_F.masked_mean(old_log_prob - log_prob, mask).item(),
+            "actor/rho_prime_mean": verl_F.masked_mean(rho_prime, mask).item(),
+            "actor/rho_prime_max": rho_prime[mask].max().item() if mask.any() else 1.0,
+        }
+        for name, frac in fractions.items():
+            metrics[f"actor/{name}"] = verl_F.masked_mean(frac.to(rho_prime.dtype), mask).item()
+    return metrics
+
+
+@register_policy_loss("offpolicy_grpo")
+def offpolicy_grpo_loss(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
+    """[A]'s clipped off-policy surrogate (objective.surrogate_per_token, clip_center="current"), as a verl loss.
+
+        loss = agg_t [ - min(rho_t * A, clip(rho_t, lo_t, hi_t) * A) ]
+        rho_t = pi_theta / alpha = exp(log_prob - old_log_prob) * rho'_t      (with grad)
+        [lo_t, hi_t] = [max(rho'_t - eps_low, 0), rho'_t + eps_high]           ([A]'s f_eps, centred at rho')
+
+    The clip is centred at the ratio of the policy at the start of the step, rho' = pi_k / alpha, so a stale
+    sampler does not clip tokens just for being stale. With rollout_is_weights=None (rho' = 1) this is PPO's
+    clip, verl's "vanilla" loss without its dual clip. beta = 0: verl adds its own KL loss. Metrics:
+    actor/pg_clipfrac (tokens whose gradient the clip removed), actor/ppo_kl, actor/rho_prime_mean,
+    actor/rho_prime_max.
+    """
+    eps_low, eps_high = _clip_widths(config)
+    logp, log_alpha, log_pi_k, rho_prime, live = _logps(old_log_prob, log_prob, rollout_is_weights)
+    surrogate, _, clip_low, clip_high, _ = objective.surrogate_per_token(
+        logp, log_alpha, log_pi_k, advantages, clip_eps=eps_low, clip_eps_high=eps_high, clip_center="current"
+    )  # (N, T) [A]'s f_eps(rho, rho', A)
+    loss = _aggregate(-surrogate, live, response_mask, loss_agg_mode, config)
+    return loss, _metrics(log_prob, old_log_prob, rho_prime, response_mask, pg_clipfrac=clip_low | clip_high)
+
+
+def _rec(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights, is_weight):
+    """REC / REC-IS of [B] (objective.rec_per_token) on verl's tensors; see `rec_loss` below for the formula."""
+    eps_low, eps_high = _clip_widths(config)
+    logp, log_alpha, _, rho_prime, live = _logps(old_log_prob, log_prob, rollout_is_weights)
+    rec, _, clip_low, clip_high = objective.rec_per_token(
+        logp, log_alpha, advantages, clip_eps=eps_low, clip_eps_high=eps_high, importance_weight=is_weight
+    )  # (N, T) A * [sg(rho_t)] * log pi_theta * M_t
+    loss = _aggregate(-rec, live, response_mask, loss_agg_mode, config)
+    return loss, _metrics(log_prob, old_log_prob, rho_prime, response_mask, pg_clipfrac=clip_low | clip_high)
+
+
+@register_policy_loss("rec")
+def rec_loss(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
+    """REC of [B]: REINFORCE on the tokens a one-sided clip would keep, no importance weight.
+
+        loss = agg_t [ - A * log_prob_t * M_t ]
+        M_t = 1[A > 0 and rho_t <= 1 + eps_high] + 1[A < 0 and rho_t >= 1 - eps_low]
+        rho_t = pi_theta / alpha, detached
+
+    actor/pg_clipfrac is the fraction of tokens the mask drops.
+    """
+    return _rec(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights, False)
+
+
+@register_policy_loss("rec_is")
+def rec_is_loss(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
+    """REC-IS of [B]: REC with the detached importance weight, loss = agg_t [ - A * sg(rho_t) * log_prob_t * M_t ]."""
+    return _rec(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights, True)
+
+
+@register_policy_loss("opmd")
+def opmd_loss(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
+    """OPMD of [B] (objective.opmd_per_token): REINFORCE pulled back towards the sampler by a squared log-ratio.
+
+        loss = agg_t [ - A * log_prob_t + (tau_reg / 2) * (log_prob_t - log alpha_t)^2 ]
+
+    tau_reg -> actor.policy_loss.dro_beta (0.1 when unset). [B] uses group-mean advantages r - mean(r):
+    algorithm.adv_estimator=grpo_masked (or grpo) with algorithm.norm_adv_by_std_in_grpo=False.
+    """
+    tau = config.policy_loss.get("dro_beta", None) if config.get("policy_loss", None) is not None else None
+    tau = OPMD_TAU_DEFAULT if tau is None else tau
+    logp, log_alpha, _, rho_prime, live = _logps(old_log_prob, log_prob, rollout_is_weights)
+    per_token, _ = objective.opmd_per_token(logp, log_alpha, advantages, tau_reg=tau)  # (N, T)
+    loss = _aggregate(per_token, live, response_mask, loss_agg_mode, config)
+    return loss, _metrics(log_prob, old_log_prob, rho_prime, response_mask)
+
+
+@register_adv_est("grpo_masked")
+def grpo_masked_advantage(token_level_rewards, response_mask, index, epsilon=1e-6, config=None, **kwargs):
+    """[A]'s group-relative advantages (advantage.group_advantages) per group of `index`, as a verl estimator.
+
+        mu_g = mean_i r_i,   sigma_g^2 = mean_i (r_i - mu_g)^2   (population variance)
+        A_i = (r_i - mu_g) / sqrt(sigma_g^2 + eps)                (eps inside the square root)
+        A_i = 0 for every i of a group whose rewards are all equal (and for a group of one)
+
+    r_i is the response's summed token_level_rewards (N, T) -> (N,); `index` (N,) holds each response's
+    prompt uid, in any order (verl's balance_batch reorders rows), and groups may differ in size. The
+    advantage is broadcast over the response: (N, T) = A_i * response_mask. Returns (advantages, returns),
+    both the same tensor, as verl's outcome estimators do. algorithm.norm_adv_by_std_in_grpo=False gives
+    r - mean(r) ([B]'s OPMD, Dr. GRPO) instead.
+
+    Verl's estimator can zero the equal-reward groups but cannot take their tokens out of the loss's
+    normaliser as train.py's `valid` does. To drop those groups instead, set algorithm.filter_groups.enable=True
+    with algorithm.filter_groups.metric=reward: verl's replay buffer then evicts every group whose rewards have
+    zero spread and refills the batch with fresh prompts (DAPO's dynamic sampling), so no equal-reward group
+    reaches the loss. That keeps the batch full where [A]'s masking shrinks it.
+    """
+    scale_std = True if config is None else bool(config.get("norm_adv_by_std_in_grpo", True))
+    with torch.no_grad():
+        scores = token_level_rewards.sum(dim=-1).float()  # (N,)
+        _, group = np.unique(np.asarray(index), return_inverse=True)
+        group = torch.as_tensor(group.reshape(-1), device=scores.device)  # (N,) group id per row
+        sizes = torch.bincount(group)  # (number of groups,)
+        # Rows sorted by group: group-major, the layout advantage.group_advantages expects.
+        order = torch.argsort(group, stable=True)  # (N,)
+        adv = torch.zeros_like(scores)  # (N,)
+        for size in sizes.unique().tolist():
+            rows = order[sizes[group[order]] == size]  # groups of this size, still group-major
+            adv[rows], _ = advantage.group_advantages(scores[rows], size, eps=epsilon, scale_std=scale_std)
+        advantages = adv.to(token_level_rewards.dtype).unsqueeze(-1) * response_mask  # (N, T)
+    return advantages, advantages
