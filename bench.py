@@ -107,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (allocator, kernels, graph capture)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts, rewards and sampling")
     p.add_argument("--vs-trl", action="store_true", help="also time TRL's GRPOTrainer on the same model and sizes")
+    p.add_argument(
+        "--trl-subclass",
+        action="store_true",
+        help="only this: stock GRPOTrainer against trl_grpo's subclass at v=1 and v=4 (tiny, 8 x 8 x 16, CPU)",
+    )
     return p
 
 
@@ -313,8 +318,78 @@ def bench_trl(cfg: Config, args, model_path: str, tok, words) -> dict:
     }
 
 
+def bench_trl_subclass(warmup: int = 1, steps: int = 12) -> dict:
+    """Seconds per step of stock GRPOTrainer and of this subclass at v=1 and v=4, one after the other, one process:
+    tiny model, random weights, 8 prompts x 8 completions x 16 tokens (min_new_tokens 16: equal work every step),
+    random 0/1 rewards, beta 0.04, one micro-batch, CPU float32. A step is the time between two on_step_end
+    callbacks; the 12 timed steps hold three refreshes of v=4 (steps 4, 8, 12), so the mean includes them."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import tiny
+    from tasks import load_task
+    from trl_grpo import OffPolicyGRPOConfig, OffPolicyGRPOTrainer
+
+    class EndTimer(TrainerCallback):
+        def on_step_end(self, *args, **kwargs):
+            self.ends = getattr(self, "ends", []) + [time.time()]
+
+    tok, model_dir = tiny.build_tokenizer(), tempfile.mkdtemp(prefix="trl-bench-")
+    tiny.build_model(tok, seed=0).save_pretrained(model_dir)
+    data = Dataset.from_dict({"prompt": [p.question for p in load_task("arithmetic")[0][: 8 * (warmup + steps)]]})
+    results = {}
+    for name, cls, extra in (
+        ("TRL GRPOTrainer", GRPOTrainer, {}),
+        ("ours v=1", OffPolicyGRPOTrainer, {}),
+        ("ours v=4", OffPolicyGRPOTrainer, {"offpolicy_steps": 4}),
+    ):
+        rng, timer = random.Random(0), EndTimer()
+        args = (GRPOConfig if cls is GRPOTrainer else OffPolicyGRPOConfig)(
+            output_dir=tempfile.mkdtemp(prefix="trl-bench-out-"),
+            per_device_train_batch_size=64,
+            num_generations=8,
+            max_completion_length=16,
+            generation_kwargs={"min_new_tokens": 16},
+            beta=0.04,
+            learning_rate=1e-5,
+            max_steps=warmup + steps,
+            gradient_checkpointing=False,
+            bf16=False,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=10**9,
+            disable_tqdm=True,
+            shuffle_dataset=False,
+            seed=0,
+            **extra,
+        )
+        cls(
+            model=model_dir,
+            args=args,
+            processing_class=tok,
+            callbacks=[timer],
+            train_dataset=data,
+            reward_funcs=lambda completions, rng=rng, **kw: [float(rng.random() < 0.5) for _ in completions],
+        ).train()
+        times = [b - a for a, b in zip(timer.ends[warmup - 1 :], timer.ends[warmup:])]
+        results[name] = {"median_s": statistics.median(times), "mean_s": statistics.fmean(times)}
+        print(
+            f"{name:<16} step median {results[name]['median_s']:.3f} s, mean {results[name]['mean_s']:.3f} s "
+            f"({len(times)} steps after {warmup} warm-up)",
+            flush=True,
+        )
+    print(json.dumps(results), flush=True)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.trl_subclass:
+        torch.set_num_threads(args.threads or torch.get_num_threads())
+        bench_trl_subclass()
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = resolve(
@@ -344,8 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             trl_ok = False
             print(
-                "--vs-trl: TRL is not installed (pip install trl, or the project's [bench] extra); "
-                "timing our loop only",
+                "--vs-trl: TRL is not installed (pip install trl, or the project's [trl] extra); timing our loop only",
                 flush=True,
             )
 
