@@ -8,6 +8,12 @@ then logs a metrics row, evaluates held-out accuracy every --eval-every steps, a
 --save-every steps. Bookkeeping lives in named functions below the loop's helpers: `setup`,
 `restore`, `checkpoint_state`, `metrics_row`.
 
+Reading order: `train` at the bottom is the whole run top to bottom (setup, resume or first evaluation,
+the loop, the end); each block is a few lines that call a named function above it. The algorithm itself
+is in step.py (`grpo_step`), objective.py and advantage.py; this file only feeds it prompts and keeps
+the books. Outputs (run_io.py): config.json, metrics.jsonl (one row per step, README "Metrics"),
+summary.json, final/ (save_pretrained), curves.png with matplotlib, checkpoints/ with --save-every.
+
 Deviations from [A]:
   1. Held-out accuracy is greedy (temperature 0), the usual way to report it; training samples
      at --temperature.
@@ -42,6 +48,8 @@ class PromptStream:
         self.problems, self.seed, self.position = problems, seed, position
 
     def next(self, k: int) -> list[Problem]:
+        # The order is a function of (seed, epoch) alone, so a resumed run that restores `position`
+        # draws exactly the prompts the uninterrupted run would have drawn.
         out = []
         for _ in range(k):
             epoch, i = divmod(self.position, len(self.problems))
@@ -60,23 +68,16 @@ def evaluate(model, tokenizer, problems: list[Problem], max_new_tokens: int, dev
     was_training = model.training
     model.eval()
     correct = 0.0
+    # Greedy (temperature 0): one completion per problem, the usual way to report accuracy. The same
+    # `generate` as training, so evaluation also exercises the sampling path the run uses.
+    special = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     for s in range(0, len(problems), batch_size):
         chunk = problems[s : s + batch_size]
-        ids, mask = encode_prompts(tokenizer, chunk, device)
-        r = generate(
-            model,
-            ids,
-            mask,
-            group_size=1,
-            max_new_tokens=max_new_tokens,
-            temperature=0.0,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        texts = tokenizer.batch_decode(
-            r.completion_ids * r.completion_mask + tokenizer.pad_token_id * (1 - r.completion_mask),
-            skip_special_tokens=True,
-        )
+        ids, mask = encode_prompts(tokenizer, chunk, device)  # (b, P) left-padded
+        r = generate(model, ids, mask, group_size=1, max_new_tokens=max_new_tokens, temperature=0.0, **special)
+        # Tokens after EOS are padding; the verifier reads the decoded text only.
+        ids = torch.where(r.completion_mask.bool(), r.completion_ids, tokenizer.pad_token_id)  # (b, T)
+        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
         correct += sum(math_reward(t, p.gold) for t, p in zip(texts, chunk))
     model.train(was_training)
     return correct / max(len(problems), 1)
@@ -85,6 +86,7 @@ def evaluate(model, tokenizer, problems: list[Problem], max_new_tokens: int, dev
 def stop_if_diverged(streak: int, step: int) -> None:
     """Three non-finite steps in a row end the run; no checkpoint was written during the streak,
     so the newest one on disk is the last good one."""
+    # One bad step is skipped (its gradient is not applied); three in a row mean the run has diverged.
     if streak >= 3:
         raise Diverged(f"step {step}: loss or gradient not finite 3 steps in a row; stopping (try a lower --lr)")
 
@@ -94,6 +96,7 @@ def verifier(tokenizer, problems: list[Problem], group_size: int):
     golds = [p.gold for p in problems for _ in range(group_size)]
 
     def reward_fn(ro: Rollout) -> torch.Tensor:
+        # Rows are group-major: row i belongs to prompt i // G, whose gold answer is golds[i].
         ids = torch.where(ro.completion_mask.bool(), ro.completion_ids, tokenizer.pad_token_id)  # (N, T)
         texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
         return torch.tensor([math_reward(c, g) for c, g in zip(texts, golds)], device=ro.completion_ids.device)
@@ -103,6 +106,7 @@ def verifier(tokenizer, problems: list[Problem], group_size: int):
 
 def setup(cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: list[Problem]):
     """The policy, its frozen copies and optimizer, the tokenizer, and the prompts that fit its context."""
+    # The built-in tiny policy (tiny.py) or any transformers causal LM; an unloadable one is a ConfigError.
     policy, tokenizer = load_policy(cfg, log=writer.log)
     context = getattr(policy.config, "max_position_embeddings", None)
     if context:
@@ -115,6 +119,8 @@ def setup(cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: lis
                 f"model's context ({context}) minus --max-new-tokens ({cfg.max_new_tokens})"
             )
     policy.to(cfg.device)
+    # alpha and pi_ref are frozen copies: no gradients, eval mode. With v = 1 there is no alpha (the live
+    # policy samples) and with beta = 0 no pi_ref, so neither costs memory when it is not needed.
     frozen = lambda: copy.deepcopy(policy).requires_grad_(False).eval()  # noqa: E731
     models = Models(
         policy,
@@ -126,7 +132,12 @@ def setup(cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: lis
 
 
 def checkpoint_state(models: Models, gen, stream: PromptStream, step: int, acc_start: float, wall: float) -> dict:
-    """Everything the next step reads, so that a resumed run continues bit for bit."""
+    """Everything the next step reads, so that a resumed run continues bit for bit.
+
+    alpha is saved too: between refreshes it is a policy from up to v - 1 steps ago, which the current
+    weights cannot reproduce. The sampling generator's state and the data position make the next
+    step's samples those of the uninterrupted run.
+    """
     state = {
         "policy": models.policy.state_dict(),
         "optimizer": models.opt.state_dict(),
@@ -145,9 +156,11 @@ def checkpoint_state(models: Models, gen, stream: PromptStream, step: int, acc_s
 
 def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunWriter) -> tuple[int, float, float]:
     """Load the newest complete checkpoint into the models; returns (step, start accuracy, wall seconds)."""
+    # "Complete" means renamed into place after an fsync: a checkpoint cut short by a crash is never picked.
     path = latest_checkpoint(cfg.out)
     if path is None:
         raise ConfigError(f"--resume: no complete checkpoint in {checkpoint_dir(cfg.out)}")
+    # torch.load with weights_only=True: a checkpoint is data, never code.
     ck = load_checkpoint(path)
     models.policy.load_state_dict(ck["policy"])
     if models.sampler is not None:
@@ -157,6 +170,7 @@ def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunW
     models.opt.load_state_dict(ck["optimizer"])
     set_rng_state(ck["rng"], gen)
     stream.position = ck["data_position"]
+    # Steps after the checkpoint were logged by the run that died; they will be logged again.
     writer.truncate_metrics(ck["step"])
     writer.log(f"resumed from {path} at step {ck['step']}")
     return ck["step"], ck["eval_accuracy_start"], ck["wall_s"]
@@ -164,16 +178,20 @@ def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunW
 
 def metrics_row(step: int, res: StepResult, group_size: int, wall_s: float, step_s: float, device) -> dict:
     """The step's line of metrics.jsonl (README, "Metrics")."""
+    # Means over the step's N samples or its completion tokens; the clip and rho' figures are update()'s.
     ro, rewards, loss_mask = res.rollout, res.rewards, res.batch.loss_mask
     groups = rewards.view(-1, group_size)  # (B, G)
     cm = ro.completion_mask.float()  # (N, T)
     n_tok = cm.sum().item()
     mismatch = 0.0
+    # The sampler's own log-probs (KV cache, maybe the static-cache path) against a full forward of the same
+    # model: they should agree to rounding; a large value means sampling and training see different models.
     if res.alpha_logp is not None:
         # |log alpha while sampling - log alpha of a full forward| over the loss's tokens.
         gap = (ro.sampler_logp - res.alpha_logp).abs() * loss_mask  # (N, T)
         mismatch = gap.sum().item() / max(loss_mask.sum().item(), 1)
     t = res.times
+    # update()'s statistics (loss, clip fractions, rho' and the sampler-mismatch figures) come as they are.
     return {
         "step": step,
         "wall_s": wall_s,
@@ -209,6 +227,7 @@ def show(bar, row: dict) -> None:
 
 def train(cfg: Config) -> dict:
     """Run GRPO as configured; returns the summary (also written to --out/summary.json)."""
+    # ---- setup: flags, data, policy and its copies, the seeded generator ----
     validate(cfg)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -221,6 +240,8 @@ def train(cfg: Config) -> dict:
     sampler_kind = f"a copy refreshed every {cfg.offpolicy_steps} steps" if models.sampler else "the live policy (v=1)"
     writer.log(f"sampling path: {sampling_path(models.sampler or models.policy)}; sampler: {sampler_kind}")
     stream = PromptStream(train_set, cfg.seed)
+    # ---- resume, or evaluate the starting policy ----
+    # A resumed run keeps its wall clock and its start accuracy, so its summary reads like one run's.
     start_step, wall_before = 0, 0.0
     if cfg.resume:
         start_step, acc_start, wall_before = restore(cfg, models, gen, stream, writer)
@@ -228,36 +249,25 @@ def train(cfg: Config) -> dict:
     if not cfg.resume:
         acc_start = evaluate(models.policy, tokenizer, heldout, cfg.max_new_tokens, device)
     writer.log(f"held-out greedy accuracy before training: {acc_start:.3f} ({len(heldout)} problems)")
-    bar = tqdm(
-        range(start_step, cfg.steps),
-        desc="grpo",
-        dynamic_ncols=True,
-        disable=not cfg.progress,
-        initial=start_step,
-        total=cfg.steps,
-    )
+    # The bar counts from the resumed step, so its rate and time left are those of the remaining steps.
+    bar_kw = dict(desc="grpo", dynamic_ncols=True, disable=not cfg.progress, initial=start_step, total=cfg.steps)
+    bar = tqdm(range(start_step, cfg.steps), **bar_kw)
+    # ---- the loop: B prompts, one GRPO step (steps 1-6 in step.py), bookkeeping ----
     streak = 0  # non-finite steps in a row
     for step in bar:
         t_step = time.time()
         problems = stream.next(cfg.prompts_per_step)
         prompt_ids, prompt_mask = encode_prompts(tokenizer, problems, device)  # (B, P) each
+        reward_fn = verifier(tokenizer, problems, cfg.group_size)
         try:
-            res = grpo_step(
-                cfg,
-                models,
-                tokenizer,
-                prompt_ids,
-                prompt_mask,
-                step,
-                gen,
-                verifier(tokenizer, problems, cfg.group_size),
-            )
+            res = grpo_step(cfg, models, tokenizer, prompt_ids, prompt_mask, step, gen, reward_fn)
         except FloatingPointError:
             # The sampler's logits are not finite: a diverged policy. The step counts as non-finite.
             writer.metrics({"step": step, "wall_s": time.time() - t0, "nonfinite_updates": 1, "nonfinite_logits": 1})
             streak += 1
             stop_if_diverged(streak, step)
             continue
+        # Bookkeeping: the metrics row, held-out accuracy every --eval-every steps, the divergence guard.
         row = metrics_row(step, res, cfg.group_size, time.time() - t0, time.time() - t_step, device)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
             row["eval_accuracy"] = evaluate(models.policy, tokenizer, heldout, cfg.max_new_tokens, device)
@@ -270,23 +280,18 @@ def train(cfg: Config) -> dict:
             state = checkpoint_state(models, gen, stream, step + 1, acc_start, time.time() - t0)
             save_checkpoint(cfg.out, state, step + 1, cfg.keep_checkpoints)
 
+    # ---- the end: held-out accuracy, summary.json, final/ and curves.png ----
     acc_end = evaluate(models.policy, tokenizer, heldout, cfg.max_new_tokens, device)
-    summary = {
-        "eval_accuracy_start": acc_start,
-        "eval_accuracy_end": acc_end,
-        "steps": cfg.steps,
-        "wall_s": time.time() - t0,
-        "eval_size": len(heldout),
-        "out": str(writer.out),
-    }
-    writer.log(
-        f"held-out greedy accuracy after training:  {acc_end:.3f} (start {acc_start:.3f}, {acc_end - acc_start:+.3f})"
-    )
+    summary = dict(eval_accuracy_start=acc_start, eval_accuracy_end=acc_end, steps=cfg.steps)
+    summary.update(wall_s=time.time() - t0, eval_size=len(heldout), out=str(writer.out))
+    gain = f"start {acc_start:.3f}, {acc_end - acc_start:+.3f}"
+    writer.log(f"held-out greedy accuracy after training:  {acc_end:.3f} ({gain})")
     writer.finish(models.policy, tokenizer, summary)
     return summary
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The CLI. Every expected failure is one line on stderr: exit 2 for bad input, 3 for a diverged run."""
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
@@ -294,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, TaskError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # A diverged run is not bad input: its own status, so scripts can tell the two apart.
     except Diverged as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
