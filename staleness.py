@@ -1,4 +1,4 @@
-"""The staleness study: every correction for a stale sampler, side by side, on the built-in task (issue 12).
+"""The staleness study: every correction for a stale sampler, side by side, on the built-in task.
 
     python experiment.py --study staleness --workers 2    # the whole study, 2 runs at a time (cost: below)
     python experiment.py --study staleness --table-only   # table and picture again from results/staleness.csv
