@@ -36,7 +36,6 @@ is the time between two `on_step_end` callbacks, so it includes everything TRL d
 """
 
 import argparse
-import copy
 import gc
 import json
 import os
@@ -52,7 +51,7 @@ import torch
 
 from config import Config, resolve, validate
 from rollout import sampling_path
-from train import Models, grpo_step
+from step import grpo_step, make_models
 
 PRESETS = {  # random-weight models with a real model's shape
     "qwen2.5-0.5b-random": dict(
@@ -201,13 +200,7 @@ def synthetic_reward(tok, group_size: int, reward_gen: torch.Generator):
 def bench_ours(cfg: Config, args, model, tok, words) -> dict:
     """Medians over --steps timed steps of train.py's own step, `train.grpo_step`."""
     device = torch.device(cfg.device)
-    frozen = lambda: copy.deepcopy(model).requires_grad_(False).eval()  # noqa: E731
-    models = Models(
-        model,
-        torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay),
-        sampler=frozen() if cfg.offpolicy_steps > 1 else None,
-        ref=frozen() if cfg.beta > 0 else None,
-    )
+    models = make_models(cfg, model)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     reward_fn = synthetic_reward(tok, cfg.group_size, torch.Generator().manual_seed(cfg.seed + 1))
     fast = {"auto": None, "plain": False, "fast": True}[args.sampling]

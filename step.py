@@ -17,6 +17,7 @@ Deviations from [A]:
      steps run no extra forward at all.
 """
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -43,6 +44,18 @@ class Models:
     opt: torch.optim.Optimizer
     sampler: torch.nn.Module | None  # alpha, refreshed every v steps; None when v = 1 (the live policy samples)
     ref: torch.nn.Module | None  # pi_ref; None when beta = 0 (no KL term)
+
+
+def make_models(cfg: Config, policy: torch.nn.Module) -> Models:
+    """AdamW on the policy, and the frozen copies the flags ask for: alpha (v > 1) and pi_ref (beta > 0).
+
+    Frozen means no gradients and eval mode. With v = 1 there is no alpha (the live policy samples) and
+    with beta = 0 no pi_ref, so neither costs memory when it is not needed.
+    """
+    frozen = lambda: copy.deepcopy(policy).requires_grad_(False).eval()  # noqa: E731
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return Models(policy, opt, sampler=frozen() if cfg.offpolicy_steps > 1 else None,
+                  ref=frozen() if cfg.beta > 0 else None)  # fmt: skip
 
 
 @dataclass

@@ -20,7 +20,6 @@ Deviations from [A]:
   2. Three non-finite steps in a row stop the run (`Diverged`, exit status 3); bad input exits 2.
 """
 
-import copy
 import random
 import sys
 import time
@@ -33,7 +32,7 @@ from config import Config, ConfigError, build_parser, config_from_args, validate
 from reward import math_reward
 from rollout import Rollout, generate, sampling_path
 from run_io import RunWriter, current_memory_gb, load_policy, peak_memory_gb
-from step import Batch, Models, StepResult, clock, compute_advantages, grpo_step, update  # noqa: F401 (re-exported)
+from step import Batch, Models, StepResult, clock, compute_advantages, grpo_step, make_models, update  # noqa: F401
 from tasks import Problem, TaskError, encode_prompts, fit_context, load_task
 
 
@@ -119,15 +118,7 @@ def setup(cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: lis
                 f"model's context ({context}) minus --max-new-tokens ({cfg.max_new_tokens})"
             )
     policy.to(cfg.device)
-    # alpha and pi_ref are frozen copies: no gradients, eval mode. With v = 1 there is no alpha (the live
-    # policy samples) and with beta = 0 no pi_ref, so neither costs memory when it is not needed.
-    frozen = lambda: copy.deepcopy(policy).requires_grad_(False).eval()  # noqa: E731
-    models = Models(
-        policy,
-        torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay),
-        sampler=frozen() if cfg.offpolicy_steps > 1 else None,
-        ref=frozen() if cfg.beta > 0 else None,
-    )
+    models = make_models(cfg, policy)
     return models, tokenizer, train_set, heldout
 
 
