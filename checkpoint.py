@@ -14,6 +14,7 @@ no pickled code is ever executed.
 import os
 import random
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -73,3 +74,18 @@ def set_rng_state(state: dict, gen: torch.Generator) -> None:
     gen.set_state(state["sampler"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def atomic_save_pretrained(model, tokenizer, path: Path) -> None:
+    """save_pretrained into a temporary folder, then swap it into `path`."""
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if path.exists():
+        old = path.with_name(f".{path.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)

@@ -14,13 +14,13 @@ leaves a half-written file that looks complete.
 import json
 import os
 import resource
-import shutil
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from checkpoint import atomic_save_pretrained
 from config import Config, ConfigError
 
 
@@ -30,21 +30,6 @@ def atomic_write_text(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
-
-
-def atomic_save_pretrained(model, tokenizer, path: Path) -> None:
-    """save_pretrained into a temporary folder, then swap it into `path`."""
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if path.exists():
-        old = path.with_name(f".{path.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, path)
 
 
 def peak_memory_gb(device: torch.device) -> float:

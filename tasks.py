@@ -93,7 +93,14 @@ def read_jsonl(path: str) -> list[Problem]:
 def _hub_gsm8k(split: str) -> list[Problem]:
     import datasets  # only the hub path needs it
 
-    ds = datasets.load_dataset("openai/gsm8k", "main", split=split)
+    try:
+        ds = datasets.load_dataset("openai/gsm8k", "main", split=split)
+    except Exception as e:  # offline, no cache, hub down: datasets raises many types, all mean "cannot load"
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise TaskError(
+            f"--task gsm8k: the hub dataset openai/gsm8k cannot be loaded ({first}); "
+            "pass a local JSONL with --data-files (e.g. ../shared/data/gsm8k/train.jsonl)"
+        ) from None
     return [Problem(r["question"], g) for r in ds if (g := gold_from_solution(r["answer"])) is not None]
 
 

@@ -29,7 +29,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from run_io import atomic_save_pretrained
+from checkpoint import atomic_save_pretrained
 from tasks import Problem, arithmetic_problems
 
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
