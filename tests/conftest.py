@@ -31,7 +31,8 @@ def model(tok):
 
 @pytest.fixture(scope="session")
 def warm_cache(tmp_path_factory):
-    """A cache folder holding the warmed-up tiny policy, built once per session.
+    """A cache folder for `load_tiny`: with TEST_WARMUP = the shipped warm-up it loads tiny_policy/
+    (nothing is trained); another value would warm up once per session and cache the result here.
 
     GRPO_TEST_CACHE names an existing cache folder to reuse across sessions (local runs).
     """
@@ -40,7 +41,7 @@ def warm_cache(tmp_path_factory):
     return str(path)
 
 
-TEST_WARMUP = 1000  # = the default, so the tests train the policy a newcomer gets (about 65 s, once)
+TEST_WARMUP = 1000  # = the default: the tests load the shipped policy a newcomer gets
 
 
 def shared_data(*parts) -> Path:
