@@ -223,5 +223,19 @@ def validate(cfg: Config) -> None:
         raise ConfigError("--is-mask needs --loss grpo and a value >= 1")
     if cfg.ref_refresh and cfg.beta == 0:
         raise ConfigError("--ref-refresh needs --beta > 0 (without KL there is no reference model)")
+    # A flag that cannot act in this run is an error, not a silent no-op.
+    changed = {f.name for f in fields(Config) if getattr(cfg, f.name) != f.default}
+    cannot_act = [
+        ("clip_center", cfg.loss != "grpo", f"--loss {cfg.loss} has no clip interval to centre (only --loss grpo)"),
+        ("clip_eps", cfg.loss == "opmd", "--loss opmd has no clip (its proximal term is --tau-reg)"),
+        ("clip_eps_high", cfg.loss == "opmd", "--loss opmd has no clip (its proximal term is --tau-reg)"),
+        ("beta", cfg.loss != "grpo", f"--loss {cfg.loss} has no KL term (only --loss grpo)"),
+        ("kl_estimator", cfg.beta == 0 or cfg.loss != "grpo", "the KL estimator needs --loss grpo and --beta > 0"),
+        ("tau_reg", cfg.loss != "opmd", "--tau-reg is OPMD's regulariser (--loss opmd)"),
+        ("red_tau", cfg.red != "weight", "--red-tau is RED-Weight's temperature (--red weight)"),
+    ]
+    for name, idle, why in cannot_act:
+        if name in changed and idle:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: cannot act here: {why}")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--device {cfg.device}: CUDA is not available on this machine")

@@ -31,8 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding import choose_decoder, sample_exponential_race, sampling_path  # noqa: F401 (sampling_path: re-export)
-from logprobs import position_ids_from_mask, token_logprobs  # noqa: F401 (re-exported: design.md's public names)
+from decoding import choose_decoder, sample_exponential_race
 
 
 @dataclass

@@ -163,7 +163,7 @@ def write_curves(out: Path, summary: dict) -> Path:
                 ax.plot(*zip(*points), linewidth=0.8, label=key)
         ax.set(title=title, xlabel="step", ylabel=ylabel)
         ax.grid(alpha=0.3)
-        if len(keys) > 1:
+        if len(keys) > 1 and ax.get_legend_handles_labels()[0]:  # no legend for a panel with no line (opmd: no clip)
             ax.legend(fontsize=8)
     fig.suptitle(
         f"{out.name}: held-out accuracy {summary['eval_accuracy_start']:.3f} -> {summary['eval_accuracy_end']:.3f}"

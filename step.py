@@ -1,4 +1,4 @@
-"""One GRPO step, steps 1-6 of [A]'s Algorithm 1 (design.md): the function train.py's loop and bench.py call.
+"""One GRPO step, steps 1-6 of [A]'s Algorithm 1 (docs/design.md): what train.py's loop and the benchmark call.
 
 One training step k:
   1. refresh the sampler: if k % v == 0, alpha <- pi_theta (v = --offpolicy-steps; v = 1 keeps
@@ -25,15 +25,10 @@ import torch
 
 from advantage import group_advantages, red_drop, red_weight
 from config import Config
-from objective import (
-    aggregation_total,
-    mis_keep_mask,
-    opmd_loss,
-    policy_loss,
-    rec_loss,
-    sampler_mismatch_stats,
-)
-from rollout import Rollout, generate, token_logprobs
+from logprobs import token_logprobs
+from objective import aggregation_total, mis_keep_mask, policy_loss, sampler_mismatch_stats
+from reinforce import opmd_loss, rec_loss
+from rollout import Rollout, generate
 
 
 @dataclass
@@ -117,51 +112,35 @@ def compute_advantages(cfg: Config, rewards: torch.Tensor, gen: torch.Generator)
     return adv, valid
 
 
-# Statistics of rho' = pi_k / alpha alone (objective.sampler_mismatch_stats), reported once per step.
-MISMATCH_KEYS = (
-    "mismatch_kl_k1",
-    "mismatch_kl_k3",
-    "rho_prime_mean",
-    "rho_prime_p50",
-    "rho_prime_p99",
-    "rho_prime_max",
-    "is_capped_frac",
-    "is_masked_frac",
-)
-
-
 def loss_fn(cfg: Config, logp, behaviour_logp, current_logp, ref_logp, adv, mask, total):
-    """The per-micro-batch loss selected by --loss (objective.py)."""
+    """The per-micro-batch loss selected by --loss (objective.py, reinforce.py)."""
+    logps = dict(logp=logp, behaviour_logp=behaviour_logp, advantages=adv, completion_mask=mask)
     common = dict(agg=cfg.agg, max_new_tokens=cfg.max_new_tokens, total=total)
+    clip = dict(clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high)
     if cfg.loss == "grpo":
         return policy_loss(
-            logp,
-            behaviour_logp,
-            current_logp,
-            ref_logp,
-            adv,
-            mask,
-            clip_eps=cfg.clip_eps,
-            clip_eps_high=cfg.clip_eps_high,
+            **logps,
+            current_logp=current_logp,
+            ref_logp=ref_logp,
             clip_center=cfg.clip_center,
             beta=cfg.beta,
             is_cap=cfg.is_cap,
             is_mask=cfg.is_mask,
             kl_estimator=cfg.kl_estimator,
+            **clip,
             **common,
         )
     if cfg.loss in ("rec", "rec-is"):
-        return rec_loss(
-            logp,
-            behaviour_logp,
-            adv,
-            mask,
-            clip_eps=cfg.clip_eps,
-            clip_eps_high=cfg.clip_eps_high,
-            importance_weight=cfg.loss == "rec-is",
-            **common,
+        return rec_loss(**logps, importance_weight=cfg.loss == "rec-is", **clip, **common)
+    return opmd_loss(**logps, tau_reg=cfg.tau_reg, **common)
+
+
+def policy_logprobs(cfg: Config, policy, batch: Batch, rows=slice(None)) -> torch.Tensor:
+    """log pi_theta (mb, T) of the batch's completions (rows), with grad when grad is enabled."""
+    with autocast(cfg, batch.input_ids.device):
+        return token_logprobs(
+            policy, batch.input_ids[rows], batch.attention_mask[rows], batch.completion_mask[rows], cfg.temperature
         )
-    return opmd_loss(logp, behaviour_logp, adv, mask, tau_reg=cfg.tau_reg, **common)
 
 
 def update(cfg: Config, policy, opt, batch: Batch, behaviour_logp, ref_logp) -> tuple[dict, torch.Tensor]:
@@ -171,55 +150,51 @@ def update(cfg: Config, policy, opt, batch: Batch, behaviour_logp, ref_logp) -> 
     inner epoch, like log pi_k. Micro-batch losses are normalised by the whole step's total,
     so their summed gradients equal the whole-batch gradient.
 
+    The policy runs in eval mode: dropout off in every log-prob pass, so that pi_theta, pi_k and alpha are
+    one network (with dropout, rho would differ from 1 even where pi_theta = alpha; TRL's `disable_dropout`
+    makes the same choice). Gradients flow as in train mode.
+
     Returns the statistics averaged over tokens and inner steps, and log pi_k (N, T): the first
     epoch's log-probs, taken before any optimizer step moved the policy.
     """
-    ids, attn, mask, adv = batch.input_ids, batch.attention_mask, batch.loss_mask, batch.advantages
+    ids, mask, adv = batch.input_ids, batch.loss_mask, batch.advantages
     n = ids.shape[0]
     mb = cfg.micro_batch or n
-    total = aggregation_total(mask, cfg.agg, cfg.max_new_tokens)
-    # MIS drops tokens by rho' = pi_k / alpha, so on a stale step the normaliser is known only once
-    # epoch 0 has recorded log pi_k. Epoch 0 then sums unnormalised and divides at its end: exact,
-    # since every micro-batch shares one normaliser (at refresh steps rho' = 1 and nothing is dropped).
-    late_total = cfg.is_mask is not None and behaviour_logp is not None
+    policy.eval()
     pi_k_logp = torch.zeros_like(mask, dtype=torch.float32)  # (N, T) log pi_k, filled in epoch 0
+    keep = torch.ones_like(mask, dtype=torch.bool)  # (N, T) the tokens in the normaliser
+    pi_k_first = cfg.is_mask is not None and behaviour_logp is not None
+    if pi_k_first:
+        # MIS drops tokens by rho' = pi_k / alpha, and the dropped ones leave the normaliser: on a stale step
+        # every micro-batch needs log pi_k of the whole step first, so here pi_k gets a no-grad pass of its own.
+        with torch.no_grad():
+            for s in range(0, n, mb):
+                pi_k_logp[s : s + mb] = policy_logprobs(cfg, policy, batch, slice(s, s + mb))
+        keep = mis_keep_mask(behaviour_logp, pi_k_logp, cfg.is_mask)  # (N, T)
+    total = aggregation_total(mask * keep, cfg.agg, cfg.max_new_tokens)
     sums, tokens, grad_norms, skipped, loss_sum = {}, 0.0, [], 0, 0.0
-    policy.train()
     for epoch in range(cfg.inner_steps):
         opt.zero_grad(set_to_none=True)
-        epoch_total, epoch_loss = (1.0 if late_total and epoch == 0 else total), 0.0
+        epoch_loss = 0.0
         for s in range(0, n, mb):
             rows = slice(s, s + mb)
             if mask[rows].sum() == 0 and epoch > 0:
                 # No valid token here: zero loss and zero gradient.
                 continue
-            with autocast(cfg, ids.device):
-                logp = token_logprobs(
-                    policy, ids[rows], attn[rows], batch.completion_mask[rows], cfg.temperature
-                )  # (mb, T)
-            if epoch == 0:
+            logp = policy_logprobs(cfg, policy, batch, rows)  # (mb, T)
+            if epoch == 0 and not pi_k_first:
                 # pi_theta == pi_k until the first optimizer step.
                 pi_k_logp[rows] = logp.detach()
             b_logp = pi_k_logp[rows] if behaviour_logp is None else behaviour_logp[rows]
             r_logp = ref_logp[rows] if ref_logp is not None else None
-            loss, st = loss_fn(cfg, logp, b_logp, pi_k_logp[rows], r_logp, adv[rows], mask[rows], epoch_total)
+            loss, st = loss_fn(cfg, logp, b_logp, pi_k_logp[rows], r_logp, adv[rows], mask[rows], total)
             loss.backward()
             w = st.pop("tokens")
             tokens += w
-            for key in MISMATCH_KEYS:
-                # The sampler's mismatch is computed once for the whole step below.
-                st.pop(key, None)
             for key, v in st.items():
                 sums[key] = sums.get(key, 0.0) + v * w
             # Micro-batch losses add up to the step's loss.
             epoch_loss += loss.item()
-        if late_total and epoch == 0:
-            total = aggregation_total(mask * mis_keep_mask(behaviour_logp, pi_k_logp, cfg.is_mask), cfg.agg,
-                                      cfg.max_new_tokens)  # fmt: skip
-            for p in policy.parameters():
-                if p.grad is not None:
-                    p.grad.div_(total)
-            epoch_loss /= total
         loss_sum += epoch_loss
         norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
         if torch.isfinite(norm):

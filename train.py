@@ -29,10 +29,11 @@ from tqdm import tqdm
 
 from checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from config import Config, ConfigError, build_parser, config_from_args, validate
+from decoding import sampling_path
 from reward import math_reward
-from rollout import Rollout, generate, sampling_path
+from rollout import Rollout, generate
 from run_io import RunWriter, current_memory_gb, load_policy, peak_memory_gb
-from step import Batch, Models, StepResult, clock, compute_advantages, grpo_step, make_models, update  # noqa: F401
+from step import Models, StepResult, grpo_step, make_models
 from tasks import Problem, TaskError, encode_prompts, fit_context, load_task
 
 

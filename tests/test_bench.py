@@ -1,4 +1,4 @@
-"""bench.py end to end: a tiny CPU run as a subprocess, its last line a JSON object."""
+"""benchmarks/bench.py end to end: a tiny CPU run as a subprocess, its last line a JSON object."""
 
 import json
 import os
@@ -45,7 +45,7 @@ def run_bench(*extra, pythonpath=None):
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), env.get("PYTHONPATH", "")])
     out = subprocess.run(
-        [sys.executable, str(ROOT / "bench.py"), *TINY, *extra],
+        [sys.executable, "-m", "benchmarks.bench", *TINY, *extra],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -1,13 +1,12 @@
-"""experiment.py: a tiny sweep end to end, checking the CSV's columns and eval points, and reuse."""
+"""studies/: a tiny sweep end to end, checking the CSV's columns and eval points, and reuse."""
 
 import csv
 import importlib.util
 
 import pytest
 
-import experiment
-import staleness
 from conftest import TEST_WARMUP
+from studies import experiment, runner, staleness
 
 # Trains or decodes a model: CI runs these again under ATEN_CPU_CAPABILITY=default (plain kernels).
 pytestmark = pytest.mark.model
@@ -104,13 +103,11 @@ def test_summary_table_hand_computed():
     assert lines[3] == "| v4 | 0.0001 | 2 | 0.550 ± 0.212 | +0.000 ± 0.141 | 0.483 ± 0.118 | 3.00% | 30 |"
 
 
-# ---- the staleness study (staleness.py, `experiment.py --study staleness`) ------------------------------
+# ---- the staleness study (`python -m studies.staleness`) ------------------------------
 
 
 def staleness_args(tmp_path, warm_cache, *extra):
     return [
-        "--study",
-        "staleness",
         "--corrections",
         "current",
         "rec",
@@ -144,7 +141,7 @@ def staleness_args(tmp_path, warm_cache, *extra):
 
 def test_tiny_staleness_study_csv_shared_baseline_and_table_only(tmp_path, warm_cache, capsys):
     # Two worker processes: the parallel path (spawned interpreters) is the one the full study uses.
-    assert experiment.main(staleness_args(tmp_path, warm_cache, "--workers", "2")) == 0
+    assert staleness.main(staleness_args(tmp_path, warm_cache, "--workers", "2")) == 0
     results = tmp_path / "results"
     rows = read_csv(results / "staleness.csv")
     assert list(rows[0].keys()) == staleness.CSV_COLUMNS
@@ -175,11 +172,11 @@ def test_tiny_staleness_study_csv_shared_baseline_and_table_only(tmp_path, warm_
 
     # Again: every run is reused; --table-only rebuilds the same table from the CSV alone.
     capsys.readouterr()
-    assert experiment.main(staleness_args(tmp_path, warm_cache)) == 0
+    assert staleness.main(staleness_args(tmp_path, warm_cache)) == 0
     assert capsys.readouterr().out.count("(existing run)") == 5
     assert read_csv(results / "staleness.csv") == rows
     (results / "staleness_table.md").unlink()
-    assert experiment.main(staleness_args(tmp_path, warm_cache, "--table-only")) == 0
+    assert staleness.main(staleness_args(tmp_path, warm_cache, "--table-only")) == 0
     assert (results / "staleness_table.md").read_text() == table
 
 
@@ -207,7 +204,7 @@ def test_staleness_table_hand_computed(tmp_path):
         + run(b, 1, 0, [0.3, 0.3, 0.3], inner=2, lr=5e-5)
         + run("current", 4, 0, [0.3, 0.4, 0.45], inner=2, lr=5e-5, clip=0.1)
     )
-    experiment.write_csv(rows, staleness.CSV_COLUMNS, tmp_path / "s.csv")
+    runner.write_csv(rows, staleness.CSV_COLUMNS, tmp_path / "s.csv")
     lines = staleness.summary_table(staleness.read_rows(tmp_path / "s.csv")).splitlines()
     # Baseline finals 0.5, 0.6, 0.4 -> 0.500 ± 0.100; last-3 means 0.4, 0.4667, 0.3667 -> 0.411 ± 0.051.
     assert lines[2] == f"| {b} | 1 | 1 | 0.0001 | 3 | 0.500 ± 0.100 | — | 0.411 ± 0.051 | 0.00% | 1.00 | 0.00% | 20 |"
@@ -244,8 +241,8 @@ def test_model_and_task_pass_through_to_every_run(tmp_path):
         256,
         4,
     )
-    study = staleness.build_parser().parse_args(["--study", "staleness", *given])
-    cfgs = [experiment.make_config(study, tmp_path / "r", **ch) for _, ch in staleness.grid(study)]
+    study = staleness.build_parser().parse_args(given)
+    cfgs = [runner.make_config(study, tmp_path / "r", **ch) for _, ch in staleness.grid(study)]
     assert {(c.model, c.task, c.data_files, c.max_new_tokens) for c in cfgs} == {
         ("Qwen/Qwen2.5-0.5B-Instruct", "gsm8k", "gsm8k.jsonl", 512)
     }

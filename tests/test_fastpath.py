@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import decoding
-import rollout
-from rollout import generate, sample_exponential_race, sampling_path, token_logprobs
+from decoding import sample_exponential_race, sampling_path
+from logprobs import position_ids_from_mask, token_logprobs
+from rollout import generate
 from tasks import Problem, encode_prompts
 
 # Trains or decodes a model: CI runs these again under ATEN_CPU_CAPABILITY=default (plain kernels).
@@ -51,7 +52,7 @@ def full_forward_entropy(model, ro, temperature):
     """Entropy of softmax(logits / tau) at every completion position, from one uncached forward."""
     ids, attn = ro.input_ids, ro.attention_mask
     t = ro.completion_ids.shape[1]
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=rollout.position_ids_from_mask(attn)).logits
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits
     logp = torch.log_softmax(logits[:, -t - 1 : -1].float() / temperature, dim=-1)  # (N, T, V)
     return -(logp.exp() * logp).sum(-1) * ro.completion_mask  # (N, T)
 

@@ -1,4 +1,4 @@
-"""advantage.py and objective.py against hand-computed cases and plain Python loops."""
+"""advantage.py, objective.py and reinforce.py against hand-computed cases and plain Python loops."""
 
 import math
 import zlib
@@ -7,15 +7,8 @@ import pytest
 import torch
 
 from advantage import group_advantages, red_drop, red_weight
-from objective import (
-    aggregation_total,
-    opmd_loss,
-    opmd_per_token,
-    policy_loss,
-    rec_loss,
-    rec_per_token,
-    surrogate_per_token,
-)
+from objective import aggregation_total, policy_loss, surrogate_per_token
+from reinforce import opmd_loss, opmd_per_token, rec_loss, rec_per_token
 
 # --------------------------------------------------------------------------- advantages
 
@@ -54,7 +47,7 @@ def test_asymre_and_red():
 
 
 def loop_policy_loss(logp, blogp, clogp, rlogp, adv, mask, eps_lo, eps_hi, center, beta, agg, max_new):
-    """The objective written token by token in plain Python floats (the spec of design.md)."""
+    """The objective written token by token in plain Python floats (the spec: policy_loss's docstring)."""
     n, t = len(logp), len(logp[0])
     seq_terms, all_terms = [], []
     for i in range(n):
@@ -131,7 +124,19 @@ def test_policy_loss_matches_loop_value_and_gradient(center, agg, use_current, b
             dn[i][j] -= h
             fd = (L(up) - L(dn)) / (2 * h)
             assert x.grad[i, j].item() == pytest.approx(fd, abs=1e-6), (i, j)
-    assert 0.0 <= stats["clip_low"] <= 1 and 0.0 <= stats["clip_high"] <= 1
+    # The clip fractions, counted token by token: a token is clipped when its ratio has left the interval
+    # on the side its advantage pushes it towards (the min() then takes the flat branch).
+    low = high = valid = 0
+    for i in range(logp.shape[0]):
+        for j in range(logp.shape[1]):
+            if mask[i, j]:
+                rho = math.exp(logp[i, j].item() - blogp[i, j].item())
+                rho_p = 1.0 if clogp is None else math.exp(clogp[i, j].item() - blogp[i, j].item())
+                lo, hi = (max(rho_p - 0.2, 0.0), rho_p + 0.28) if center == "current" else (0.8, 1.28)
+                valid += 1
+                low += int(rho < lo and adv[i].item() < 0)
+                high += int(rho > hi and adv[i].item() > 0)
+    assert (stats["clip_low"], stats["clip_high"]) == pytest.approx((low / valid, high / valid), abs=1e-12)
 
 
 def test_clipped_tokens_get_zero_gradient_on_the_pushed_side():

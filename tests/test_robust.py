@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import train
+import step
 from checkpoint import latest_checkpoint, save_checkpoint
 from config import Config, resolve
 from conftest import ROOT, TEST_WARMUP
@@ -170,6 +170,15 @@ def test_bad_data_files_get_a_one_line_error(tmp_path, case, expect):
             "--model no-such-org/no-such-model: cannot be loaded",
         ),
         (["--resume", "--out", "EMPTY"], "--resume:"),
+        # The hub is unreachable here (HF_HUB_OFFLINE=1): one line that names the way out.
+        (["--task", "gsm8k"], "pass a local JSONL with --data-files"),
+        # A flag that cannot act in the run it was given to.
+        (["--loss", "opmd", "--clip-center", "decoupled"], "--clip-center decoupled: cannot act here"),
+        (["--loss", "opmd", "--clip-eps", "0.3"], "--clip-eps 0.3: cannot act here"),
+        (["--loss", "rec", "--beta", "0.04"], "--beta 0.04: cannot act here"),
+        (["--kl-estimator", "k1"], "--kl-estimator k1: cannot act here"),
+        (["--tau-reg", "0.5"], "--tau-reg 0.5: cannot act here"),
+        (["--red-tau", "2"], "--red-tau 2.0: cannot act here"),
     ],
 )
 def test_bad_flags_get_a_one_line_error(tmp_path, args, expect):
@@ -207,7 +216,7 @@ def test_non_finite_gradients_skip_the_step_and_three_stop_the_run(model, tok, t
     batch.advantages = batch.advantages * float("nan")
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    st, _ = train.update(resolve(Config(out=str(tmp_path))), model, opt, batch, None, None)
+    st, _ = step.update(resolve(Config(out=str(tmp_path))), model, opt, batch, None, None)
     assert st["nonfinite_updates"] == 1
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # no optimizer step
 

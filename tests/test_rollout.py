@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import logprobs
-import rollout
-from rollout import generate, token_logprobs
+from logprobs import position_ids_from_mask, token_logprobs
+from rollout import generate
 from tasks import Problem, encode_prompts
 
 # Trains or decodes a model: CI runs these again under ATEN_CPU_CAPABILITY=default (plain kernels).
@@ -47,7 +47,7 @@ def test_token_logprobs_padding_invariant_and_temperature(model, tok):
         assert torch.allclose(batched[i, :k][c[0].bool()], single[0][c[0].bool()], atol=1e-5)
         assert (batched[i][~cmask[i].bool()] == 0).all()
     # Against a direct computation from the full logits / tau.
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=rollout.position_ids_from_mask(attn)).logits
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits
     t = cmask.shape[1]
     ref = F.log_softmax(logits[:, -t - 1 : -1] / 0.7, -1).gather(2, ids[:, -t:, None]).squeeze(2) * cmask
     assert torch.allclose(batched, ref, atol=1e-5)
@@ -60,7 +60,7 @@ def test_chunked_head_gradient_equals_full_logits(model, tok):
     (token_logprobs(model, ids, attn, cmask, 0.9, chunk=2) * w).sum().backward()  # several chunks
     fused = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=rollout.position_ids_from_mask(attn)).logits
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits
     ref = F.log_softmax(logits[:, -t - 1 : -1] / 0.9, -1).gather(2, ids[:, -t:, None]).squeeze(2) * cmask
     (ref * w).sum().backward()
     for g, p in zip(fused, model.parameters()):
@@ -157,7 +157,7 @@ def test_greedy_is_argmax_of_the_full_forward(model, tok):
     )
     seq, attn = ids, mask
     for _ in range(ro.completion_ids.shape[1]):  # naive decoding without a cache
-        logits = model(input_ids=seq, attention_mask=attn, position_ids=rollout.position_ids_from_mask(attn)).logits
+        logits = model(input_ids=seq, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits
         seq = torch.cat([seq, logits[:, -1].argmax(-1, keepdim=True)], 1)
         attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
     got = seq[:, ids.shape[1] :]

@@ -12,9 +12,9 @@ from objective import (
     kl_penalty,
     mis_keep_mask,
     policy_loss,
-    rec_loss,
     sampler_mismatch_stats,
 )
+from reinforce import rec_loss
 
 EPS_LO, EPS_HI, MAX_NEW = 0.2, 0.28, 7
 
@@ -132,8 +132,9 @@ def test_policy_loss_matches_loop_value_and_gradient(center, seed_c, agg, seed_a
             assert x.grad[i, j].item() == pytest.approx(fd, abs=1e-6), (i, j)
     n_valid = mask.sum().item()
     assert stats["tokens"] == n_valid
-    assert stats["is_masked_frac"] == pytest.approx(dropped / n_valid)
-    assert stats["is_capped_frac"] == pytest.approx(capped / n_valid)
+    mismatch = sampler_mismatch_stats(blogp, clogp, mask, is_cap=is_cap, is_mask=is_mask)
+    assert mismatch["is_masked_frac"] == pytest.approx(dropped / n_valid)
+    assert mismatch["is_capped_frac"] == pytest.approx(capped / n_valid)
     # The case exercises what it claims to: MIS drops, TIS caps, the clip acts somewhere.
     assert (dropped > 0) == (is_mask is not None) and (capped > 0) == (is_cap is not None)
     assert stats["clip_low"] + stats["clip_high"] > 0
@@ -157,11 +158,10 @@ def test_mis_drops_tokens_from_the_sum_and_the_normaliser():
         assert policy_loss(blogp, blogp, clogp, None, adv, mask, agg="seq-mean", **kw)[0].item() == -1.0
         # constant: N * max_new_tokens does not count tokens, so only the sum changes.
         assert policy_loss(blogp, blogp, clogp, None, adv, mask, agg="constant", **kw)[0].item() == -2 / 8
-        _, stats = policy_loss(blogp, blogp, clogp, None, adv, mask, **kw)
-        assert stats["is_masked_frac"] == 4 / 6 and stats["is_capped_frac"] == 0.0
-    # Without is_mask every token counts (current centre: rho = 1 is clipped into [rho' - eps, rho' + eps]).
-    _, stats = policy_loss(blogp, blogp, clogp, None, adv, mask)
-    assert stats["is_masked_frac"] == 0.0
+    stats = sampler_mismatch_stats(blogp, clogp, mask, is_mask=2.0)
+    assert stats["is_masked_frac"] == 4 / 6 and stats["is_capped_frac"] == 0.0
+    # Without is_mask every token counts.
+    assert sampler_mismatch_stats(blogp, clogp, mask)["is_masked_frac"] == 0.0
 
 
 def test_tis_caps_the_weight_of_the_decoupled_objective():
@@ -173,13 +173,13 @@ def test_tis_caps_the_weight_of_the_decoupled_objective():
     mask = torch.ones(1, 4)
     for cap, w in ((None, [0.5, 1.5, 3.0, 8.0]), (2.0, [0.5, 1.5, 2.0, 2.0])):
         x = clogp.clone().requires_grad_(True)
-        loss, stats = policy_loss(x, blogp, clogp, None, adv, mask, clip_center="decoupled", is_cap=cap)
+        loss, _ = policy_loss(x, blogp, clogp, None, adv, mask, clip_center="decoupled", is_cap=cap)
         loss.backward()
         torch.testing.assert_close(x.grad, -2.0 * torch.tensor([w], dtype=torch.float64) / 4)
         assert loss.item() == pytest.approx(-2.0 * sum(w) / 4)
-        assert stats["is_capped_frac"] == (0.0 if cap is None else 0.5)
+        assert sampler_mismatch_stats(blogp, clogp, mask, is_cap=cap)["is_capped_frac"] == (0.0 if cap else 0.5)
     # With MIS as well, a dropped token counts as dropped, not capped: rho' = 8 leaves, rho' = 3 is capped.
-    _, stats = policy_loss(clogp, blogp, clogp, None, adv, mask, clip_center="decoupled", is_cap=2.0, is_mask=4.0)
+    stats = sampler_mismatch_stats(blogp, clogp, mask, is_cap=2.0, is_mask=4.0)
     assert stats["is_capped_frac"] == 0.25 and stats["is_masked_frac"] == 0.25
 
 
@@ -372,11 +372,11 @@ def test_sampler_mismatch_stats_hand_computed():
     assert st["rho_prime_p50"] == pytest.approx(1.75) and st["rho_prime_p99"] == pytest.approx(2.5 + 0.97 * 1.5)
     # MIS drops rho' = 4 (outside [1/3, 3]); TIS caps rho' = 2.5 (the dropped 4 is not counted as capped).
     assert st["is_masked_frac"] == 0.25 and st["is_capped_frac"] == 0.25
-    # policy_loss reports the same for its tokens.
+    # policy_loss does not compute them (a step does, once): its statistics are pi_theta's.
     _, ps = policy_loss(
         clogp, blogp, clogp, None, torch.ones(1), mask, clip_center="decoupled", is_cap=2.0, is_mask=3.0
     )
-    assert all(ps[k] == pytest.approx(v) for k, v in st.items())
+    assert set(ps) == {"clip_low", "clip_high", "kl", "ratio_mean", "tokens"}
     # Without a cap or a mask the fractions are 0; a refreshed sampler (current_logp=None) shows no mismatch.
     st = sampler_mismatch_stats(blogp, clogp, mask)
     assert st["is_masked_frac"] == 0.0 and st["is_capped_frac"] == 0.0

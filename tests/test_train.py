@@ -13,7 +13,8 @@ import train
 from advantage import group_advantages
 from config import Config, resolve
 from conftest import ROOT, TEST_WARMUP, shared_data
-from rollout import generate, token_logprobs
+from logprobs import token_logprobs
+from rollout import generate
 from tasks import Problem, encode_prompts
 
 # Trains or decodes a model: CI runs these again under ATEN_CPU_CAPABILITY=default (plain kernels).
@@ -51,7 +52,7 @@ def make_batch(model, tok, seed=0, group=4, temperature=1.0):
     rewards = torch.tensor([float(i % 3 == 0) for i in range(ro.completion_ids.shape[0])])  # mixed groups
     rewards[:group] = 1.0  # one all-equal group: masked out
     adv, valid = group_advantages(rewards, group)
-    return train.Batch(
+    return step.Batch(
         ro.input_ids,
         ro.attention_mask,
         ro.completion_mask,
@@ -70,7 +71,7 @@ def test_on_policy_gradient_is_group_baseline_reinforce(model, tok):
     # grad = -(1/|tokens|) sum_i A_i sum_t grad log pi(y_t): REINFORCE with the group baseline.
     batch = make_batch(model, tok)
     opt = RecordingOptimizer(model.parameters())
-    train.update(
+    step.update(
         cfg_for(clip_eps=0.0), model, opt, batch, behaviour_logp=None, ref_logp=None
     )  # eps 0: clip as tight as it gets
     mask = batch.loss_mask
@@ -86,8 +87,8 @@ def test_reward_shuffle_deals_the_same_rewards_to_random_samples():
     # The null control: the advantages are those of a permutation of the step's rewards, so the
     # reward rate is kept and the link between a completion and its reward is cut.
     rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1])  # 4 groups of 4
-    plain_adv, _ = train.compute_advantages(cfg_for(), rewards, torch.Generator().manual_seed(0))
-    adv, valid = train.compute_advantages(cfg_for(reward_shuffle=True), rewards, torch.Generator().manual_seed(0))
+    plain_adv, _ = step.compute_advantages(cfg_for(), rewards, torch.Generator().manual_seed(0))
+    adv, valid = step.compute_advantages(cfg_for(reward_shuffle=True), rewards, torch.Generator().manual_seed(0))
     perm = torch.randperm(16, generator=torch.Generator().manual_seed(0))  # the same draw, replayed
     ref_adv, ref_valid = group_advantages(rewards[perm], 4)
     assert not torch.equal(perm, torch.arange(16))
@@ -106,7 +107,7 @@ def test_micro_batched_gradient_equals_whole_batch(model, tok, agg):
     grads = []
     for mb in (None, 4, 2):
         opt = RecordingOptimizer(model.parameters())
-        train.update(cfg_for(micro_batch=mb, agg=agg, beta=0.1), model, opt, batch, behaviour, ref)
+        step.update(cfg_for(micro_batch=mb, agg=agg, beta=0.1), model, opt, batch, behaviour, ref)
         grads.append(opt.grads[0])
     assert grads[0].abs().max() > 0
     assert torch.allclose(grads[1], grads[0], atol=1e-6, rtol=1e-4)
@@ -136,7 +137,7 @@ def test_mis_on_a_stale_step_micro_batched_equals_policy_loss_on_the_whole_batch
     for mb in (None, 4, 2):
         opt = RecordingOptimizer(model.parameters())
         cfg = cfg_for(micro_batch=mb, agg=agg, clip_center=center, is_cap=is_cap, is_mask=1.3, max_new_tokens=5)
-        stats, _ = train.update(cfg, model, opt, batch, behaviour, None)
+        stats, _ = step.update(cfg, model, opt, batch, behaviour, None)
         assert torch.allclose(opt.grads[0], expected, atol=1e-6, rtol=1e-4), mb
         assert stats["is_masked_frac"] > 0 and (stats["is_capped_frac"] > 0) == (is_cap is not None)
 
@@ -145,7 +146,7 @@ def test_pi_k_is_recorded_from_the_first_inner_epoch(model, tok):
     batch = make_batch(model, tok, seed=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     expected = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0).detach()
-    _, pi_k_logp = train.update(cfg_for(inner_steps=3, micro_batch=4), model, opt, batch, None, None)
+    _, pi_k_logp = step.update(cfg_for(inner_steps=3, micro_batch=4), model, opt, batch, None, None)
     assert torch.allclose(pi_k_logp, expected, atol=1e-6)  # recorded before the weights moved
     after = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
     assert not torch.allclose(after, expected, atol=1e-3)  # and the weights did move

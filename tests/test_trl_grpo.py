@@ -1,4 +1,4 @@
-"""trl_grpo.py: [A]'s off-policy GRPO inside TRL's GRPOTrainer, pinned to stock TRL and to objective.py.
+"""integrations/trl_grpo.py: [A]'s off-policy GRPO inside TRL's GRPOTrainer, pinned to stock TRL and to objective.py.
 
 Every test runs TRL's real code on CPU with the warmed-up tiny policy, whose groups have mixed rewards (so the
 gradients and the policy's moves that the tests look at are not zero).
@@ -23,12 +23,12 @@ from trl.trainer.utils import split_tensor_dict  # noqa: E402
 
 import objective  # noqa: E402
 import tiny  # noqa: E402
-import trl_grpo  # noqa: E402
 from advantage import group_advantages  # noqa: E402
 from conftest import ROOT, TEST_WARMUP  # noqa: E402
-from rollout import token_logprobs  # noqa: E402
+from integrations import trl_grpo  # noqa: E402
+from integrations.trl_grpo import OffPolicyGRPOConfig, OffPolicyGRPOTrainer, checksum  # noqa: E402
+from logprobs import token_logprobs  # noqa: E402
 from tasks import arithmetic_problems  # noqa: E402
-from trl_grpo import OffPolicyGRPOConfig, OffPolicyGRPOTrainer, checksum  # noqa: E402
 
 G = 4  # completions per prompt in these tests
 
@@ -123,7 +123,7 @@ def test_parity_with_stock_trl(policy_dir, tmp_path, loss_type):
 
 def test_offpolicy_loss_is_objective_policy_loss(policy_dir, tmp_path):
     """v > 1, current centre: the trainer's loss equals objective.policy_loss on the same tensors, with log-probs
-    from rollout.token_logprobs, advantages from advantage.group_advantages and an independent normaliser."""
+    from logprobs.token_logprobs, advantages from advantage.group_advantages and an independent normaliser."""
     trainer = make_trainer(policy_dir, tmp_path, offpolicy_steps=3, beta=0.04)
     trainer.model.train()
     batch = trainer._generate_and_score_completions(rows(trainer, 8))
@@ -147,13 +147,14 @@ def test_offpolicy_loss_is_objective_policy_loss(policy_dir, tmp_path):
         beta=0.04,
         total=objective.aggregation_total(mask, "token-mean"),
     )
-    assert st["rho_prime_max"] > 1.5  # the two centres give different losses on these tensors
+    rho_prime_max = objective.sampler_mismatch_stats(batch["behaviour_logps"], logp.detach(), mask)["rho_prime_max"]
+    assert rho_prime_max > 1.5  # the two centres give different losses on these tensors
     assert abs(loss.item() - expected.item()) < 1e-5
 
 
 class Recorder(OffPolicyGRPOTrainer):
     """Records, at every training generation, the step, alpha's and the policy's checksums, and how far the
-    recorded behaviour log-probs are from alpha's own (rollout.token_logprobs of the sampler)."""
+    recorded behaviour log-probs are from alpha's own (logprobs.token_logprobs of the sampler)."""
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
@@ -282,7 +283,8 @@ def test_two_processes_with_torchrun(warm_cache, tmp_path):
         "--standalone",
         "--nproc_per_node",
         "2",
-        "trl_grpo.py",
+        "-m",
+        "integrations.trl_grpo",
         "--offpolicy-steps",
         "2",
         "--max_steps",

@@ -1,4 +1,4 @@
-"""verl_grpo.py against objective.py, advantage.py, a plain loop, and verl's own stock "vanilla" loss.
+"""integrations/verl_grpo.py against objective.py, advantage.py, a plain loop, and verl's own stock "vanilla" loss.
 
 Runs only where verl is installed (CI's .venv-verl); elsewhere the whole module is skipped.
 Aggregation map, verl's loss_agg_mode -> objective.py's agg, with verl's global_batch_info as its trainer sets
@@ -18,18 +18,18 @@ import pytest
 
 pytest.importorskip("verl")
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from verl import DataProto  # noqa: E402
-from verl.trainer.config import AlgoConfig, RolloutCorrectionConfig  # noqa: E402
+from verl.trainer.config import RolloutCorrectionConfig  # noqa: E402
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn, get_policy_loss_fn  # noqa: E402
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch  # noqa: E402
 from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
 
 import objective  # noqa: E402
-import verl_grpo  # noqa: E402
-from advantage import group_advantages  # noqa: E402
-from objective import opmd_loss, policy_loss, rec_loss  # noqa: E402
+import reinforce  # noqa: E402
+from integrations import verl_grpo  # noqa: E402
+from objective import policy_loss  # noqa: E402
+from reinforce import opmd_loss, rec_loss  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -113,12 +113,12 @@ def test_registered_under_verl_names():
 def test_loaded_by_verl_external_modules_variable():
     # What a Ray worker does: `import verl` reads VERL_USE_EXTERNAL_MODULES and imports the plugin itself.
     code = "import verl.trainer.ppo.core_algos as c; print(c.get_policy_loss_fn('offpolicy_grpo').__module__)"
-    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="verl_grpo", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="integrations.verl_grpo", PYTHONPATH=str(ROOT))
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True, timeout=300, check=False
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "verl_grpo"
+    assert out.stdout.strip().splitlines()[-1] == "integrations.verl_grpo"
 
 
 # --------------------------------------------------------------------------- offpolicy_grpo
@@ -152,8 +152,9 @@ def test_offpolicy_grpo_equals_objective_policy_loss(mode, seed):
     # The batch exercises both sides of the clip, so a wrong centre or width changes the result.
     assert stats["clip_low"] > 0 and stats["clip_high"] > 0
     assert metrics["actor/pg_clipfrac"] == pytest.approx(stats["clip_low"] + stats["clip_high"])
-    assert metrics["actor/rho_prime_mean"] == pytest.approx(stats["rho_prime_mean"])
-    assert metrics["actor/rho_prime_max"] == pytest.approx(stats["rho_prime_max"])
+    mismatch = objective.sampler_mismatch_stats(behaviour_logp(old, weights), old, mask)
+    assert metrics["actor/rho_prime_mean"] == pytest.approx(mismatch["rho_prime_mean"])
+    assert metrics["actor/rho_prime_max"] == pytest.approx(mismatch["rho_prime_max"])
 
 
 def test_rollout_correction_settings_give_untruncated_token_rho_prime():
@@ -250,7 +251,7 @@ def test_opmd_default_tau_is_objective_default():
 
 
 def loop_loss(name, log_prob, old, weights, adv, mask, mode, eps_low=0.2, eps_high=0.28, tau=0.3):
-    """The four losses token by token in plain Python floats, from design.md's formulas on verl's tensors.
+    """The four losses token by token in plain Python floats, from policy_loss's (and reinforce.py's) formulas on verl's tensors.
 
     Returns the loss and d loss / d log_prob (each token's term depends on its own log-prob only).
     """
@@ -322,15 +323,16 @@ PER_TOKEN = {
 
 @pytest.mark.parametrize("name", LOSSES)
 def test_losses_call_objective_per_token_terms(name, monkeypatch):
-    # The per-token objective is objective.py's own function, not a copy of its lines.
+    # The per-token objective is objective.py's (reinforce.py's) own function, not a copy of its lines.
     calls = []
-    fn = getattr(objective, PER_TOKEN[name])
+    module = objective if name == "offpolicy_grpo" else reinforce
+    fn = getattr(module, PER_TOKEN[name])
 
     def spy(*args, **kwargs):
         calls.append(kwargs)
         return fn(*args, **kwargs)
 
-    monkeypatch.setattr(objective, PER_TOKEN[name], spy)
+    monkeypatch.setattr(module, PER_TOKEN[name], spy)
     log_prob, old, weights, adv, mask = random_batch(8)
     cfg = actor_config(policy_loss=PolicyLossConfig(loss_mode=name, dro_beta=0.3))
     set_batch_info(cfg, mask, mask.shape[0])
@@ -391,72 +393,3 @@ def test_two_ranks_give_the_one_rank_gradient(name, mode):
     dp = len(ranks)
     torch.testing.assert_close(sum(losses) / dp, loss_one, rtol=1e-7, atol=1e-9)
     torch.testing.assert_close(torch.cat(grads) / dp, grad_one, rtol=1e-7, atol=1e-9)
-
-
-# --------------------------------------------------------------------------- grpo_masked
-
-
-def outcome_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """verl's token_level_rewards: the outcome reward on each response's last valid token, 0 elsewhere."""
-    last = mask.long().sum(dim=1) - 1  # (N,)
-    out = torch.zeros(mask.shape, dtype=torch.float32)  # (N, T)
-    out[torch.arange(len(rewards)), last] = rewards
-    return out
-
-
-def loop_advantages(rewards: list[float], index: list[str], eps: float) -> list[float]:
-    """[A]'s advantage written out per group in plain Python: population std, eps inside the sqrt, 0 if equal."""
-    out = []
-    for i, uid in enumerate(index):
-        group = [r for r, u in zip(rewards, index) if u == uid]
-        mu = sum(group) / len(group)
-        var = sum((r - mu) ** 2 for r in group) / len(group)
-        out.append(0.0 if max(group) == min(group) else (rewards[i] - mu) / (var + eps) ** 0.5)
-    return out
-
-
-def test_grpo_masked_equals_group_advantages_in_any_order():
-    g_size = 4
-    # Four prompts, group-major: mixed, all equal (masked), one right, three right.
-    rewards = torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1])
-    n = len(rewards)
-    gen = torch.Generator().manual_seed(7)
-    lengths = torch.randint(1, 6, (n,), generator=gen)  # (N,)
-    mask = torch.arange(5).unsqueeze(0) < lengths.unsqueeze(1)  # (N, T)
-    index = np.array([f"uid-{i // g_size}" for i in range(n)], dtype=object)
-    expected, valid = group_advantages(rewards, g_size)
-    assert not valid[4:8].any() and (expected[4:8] == 0).all()
-
-    est = get_adv_estimator_fn("grpo_masked")
-    adv, returns = est(token_level_rewards=outcome_rewards(rewards, mask), response_mask=mask, index=index)
-    torch.testing.assert_close(adv, expected.unsqueeze(1) * mask)
-    assert returns is adv or torch.equal(returns, adv)
-
-    # Shuffled rows (verl's balance_batch reorders the batch): the same advantage follows each response.
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(11))
-    adv_p, _ = est(
-        token_level_rewards=outcome_rewards(rewards[perm], mask[perm]),
-        response_mask=mask[perm],
-        index=index[perm.numpy()],
-    )
-    torch.testing.assert_close(adv_p, expected[perm].unsqueeze(1) * mask[perm])
-    torch.testing.assert_close(
-        adv_p[:, 0],
-        torch.tensor(loop_advantages(rewards[perm].tolist(), list(index[perm.numpy()]), 1e-6), dtype=torch.float32),
-    )
-
-
-def test_grpo_masked_unequal_groups_and_no_std_scaling():
-    # Groups of 3, 1 and 2 interleaved; a lone response carries no group-relative signal (0, not r).
-    rewards = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.0, 0.0])
-    index = np.array(["a", "b", "a", "c", "a", "c"], dtype=object)
-    mask = torch.ones(6, 2, dtype=torch.bool)
-    est = get_adv_estimator_fn("grpo_masked")
-    adv, _ = est(token_level_rewards=outcome_rewards(rewards, mask), response_mask=mask, index=index, epsilon=0.0)
-    expected = loop_advantages(rewards.tolist(), list(index), 0.0)
-    torch.testing.assert_close(adv[:, 0], torch.tensor(expected))
-    assert adv[1, 0] == 0.0
-    # norm_adv_by_std_in_grpo=False: r - mean(r) per group ([B]'s OPMD, Dr. GRPO).
-    cfg = AlgoConfig(norm_adv_by_std_in_grpo=False)
-    adv, _ = est(token_level_rewards=outcome_rewards(rewards, mask), response_mask=mask, index=index, config=cfg)
-    torch.testing.assert_close(adv[:, 0], torch.tensor([0.5, 0.0, 0.0, 0.5, -0.5, -0.5]))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of "fast and lean", in one command (about 5 minutes on an H200, at most 8):
 #   1. tests/test_fastpath.py on CUDA: the static-cache + CUDA-graph sampler against the plain one;
-#   2. bench.py on the H200 configuration of design.md (Qwen2.5-0.5B shape, random weights, bf16,
+#   2. benchmarks/bench.py on the H200 configuration of docs/design.md (Qwen2.5-0.5B shape, random weights, bf16,
 #      64 prompts x 8 completions, prompt 128 + 256 new tokens, beta 0.04): v=1 with --vs-trl (TRL's
 #      GRPOTrainer in the same process), v=4, and v=1 on the plain sampler (the reference loop);
 #   3. a short table of the results, printed last.
@@ -45,7 +45,7 @@ else
   SIZES=(--model qwen2.5-0.5b-random --device cuda --dtype bfloat16 --prompts 64 --group 8 --prompt-len 128
          --max-new-tokens 256 --beta 0.04 --micro-batch 64 --warmup 1)
   # Limits per step, 440 s in all; expected about 40 + 110 + 40 + 60 s (a step of ours should take
-  # about 1.5-2 s, with the plain sampler about 7 s; TRL's about 18 s, design.md).
+  # about 1.5-2 s, with the plain sampler about 7 s; TRL's about 18 s, docs/design.md).
   T_TEST=80 T_TRL=190 T_V4=80 T_PLAIN=90
 fi
 

@@ -49,7 +49,7 @@ Deviations from objective.py:
      token past the bound gets no gradient, in every loss here (rec / opmd's REINFORCE term included).
   2. rho' comes from verl, which clamps log rho' to [-20, 20] (exp(20) ~ 4.9e8) even when untruncated.
   3. opmd reads tau_reg from actor.policy_loss.dro_beta (verl's coefficient of the same quadratic log-ratio
-     penalty in its "dro" loss), 0.1 (objective.opmd_loss's default) when unset.
+     penalty in its "dro" loss), 0.1 (reinforce.opmd_loss's default) when unset.
   4. actor/rho_prime_max is a mean over micro-batches of their maxima: verl averages every loss metric.
 """
 
@@ -60,10 +60,11 @@ from verl.trainer.ppo.core_algos import agg_loss, register_adv_est, register_pol
 
 import advantage
 import objective
+import reinforce
 
 # verl's own guard on log-ratios before exp (core_algos, rollout_corr_helper)
 LOG_RATIO_BOUND = 20.0
-# objective.opmd_loss's default tau_reg, used when actor.policy_loss.dro_beta is unset
+# reinforce.opmd_loss's default tau_reg, used when actor.policy_loss.dro_beta is unset
 OPMD_TAU_DEFAULT = 0.1
 
 
@@ -134,22 +135,22 @@ def offpolicy_grpo_loss(
     """
     eps_low, eps_high = _clip_widths(config)
     logp, log_alpha, log_pi_k, rho_prime, live = _logps(old_log_prob, log_prob, rollout_is_weights)
-    surrogate, _, clip_low, clip_high, _ = objective.surrogate_per_token(
+    o = objective.surrogate_per_token(
         logp, log_alpha, log_pi_k, advantages, clip_eps=eps_low, clip_eps_high=eps_high, clip_center="current"
     )  # (N, T) [A]'s f_eps(rho, rho', A)
-    loss = _aggregate(-surrogate, live, response_mask, loss_agg_mode, config)
-    return loss, _metrics(log_prob, old_log_prob, rho_prime, response_mask, pg_clipfrac=clip_low | clip_high)
+    loss = _aggregate(-o.objective, live, response_mask, loss_agg_mode, config)
+    return loss, _metrics(log_prob, old_log_prob, rho_prime, response_mask, pg_clipfrac=o.clip_low | o.clip_high)
 
 
 def _rec(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights, is_weight):
-    """REC / REC-IS of [B] (objective.rec_per_token) on verl's tensors; see `rec_loss` below for the formula."""
+    """REC / REC-IS of [B] (reinforce.rec_per_token) on verl's tensors; see `rec_loss` below for the formula."""
     eps_low, eps_high = _clip_widths(config)
     logp, log_alpha, _, rho_prime, live = _logps(old_log_prob, log_prob, rollout_is_weights)
-    rec, _, clip_low, clip_high = objective.rec_per_token(
+    o = reinforce.rec_per_token(
         logp, log_alpha, advantages, clip_eps=eps_low, clip_eps_high=eps_high, importance_weight=is_weight
     )  # (N, T) A * [sg(rho_t)] * log pi_theta * M_t
-    loss = _aggregate(-rec, live, response_mask, loss_agg_mode, config)
-    return loss, _metrics(log_prob, old_log_prob, rho_prime, response_mask, pg_clipfrac=clip_low | clip_high)
+    loss = _aggregate(-o.objective, live, response_mask, loss_agg_mode, config)
+    return loss, _metrics(log_prob, old_log_prob, rho_prime, response_mask, pg_clipfrac=o.clip_low | o.clip_high)
 
 
 @register_policy_loss("rec")
@@ -179,7 +180,7 @@ def rec_is_loss(
 def opmd_loss(
     old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
 ):
-    """OPMD of [B] (objective.opmd_per_token): REINFORCE pulled back towards the sampler by a squared log-ratio.
+    """OPMD of [B] (reinforce.opmd_per_token): REINFORCE pulled back towards the sampler by a squared log-ratio.
 
         loss = agg_t [ - A * log_prob_t + (tau_reg / 2) * (log_prob_t - log alpha_t)^2 ]
 
@@ -189,7 +190,7 @@ def opmd_loss(
     tau = config.policy_loss.get("dro_beta", None) if config.get("policy_loss", None) is not None else None
     tau = OPMD_TAU_DEFAULT if tau is None else tau
     logp, log_alpha, _, rho_prime, live = _logps(old_log_prob, log_prob, rollout_is_weights)
-    per_token, _ = objective.opmd_per_token(logp, log_alpha, advantages, tau_reg=tau)  # (N, T)
+    per_token = reinforce.opmd_per_token(logp, log_alpha, advantages, tau_reg=tau).per_token  # (N, T)
     loss = _aggregate(per_token, live, response_mask, loss_agg_mode, config)
     return loss, _metrics(log_prob, old_log_prob, rho_prime, response_mask)
 

@@ -1,12 +1,13 @@
 """The on/off-policy experiment on the built-in arithmetic task: one command, many `train.train` runs.
 
-    python experiment.py            # the full sweep: 10 configs x 3 seeds x 2 learning rates (47 min on 2 CPU cores)
-    python experiment.py --quick    # 5 configs x 2 seeds x 1 learning rate, 60 steps (minutes)
-    python experiment.py --study staleness --workers 2   # the staleness corrections side by side (staleness.py)
+    python -m studies.experiment               # the full sweep: 10 configs x 3 seeds x 2 lrs (47 min on 2 CPU cores)
+    python -m studies.experiment --quick       # 5 configs x 2 seeds x 1 learning rate, 60 steps (minutes)
+    python -m studies.experiment --table-only  # table and picture again from results/offpolicy.csv
 
-Both studies take --workers N (N runs at once, in separate processes of --threads threads each) and pass
---model, --task, --data-files, --eval-files and --max-new-tokens through to every run, so the same study
-runs on a real model: `--model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --data-files ../shared/data/...`.
+The staleness study is its sibling, `python -m studies.staleness` (staleness.py). Both take --workers N
+(N runs at once, in separate processes of --threads threads each) and pass --model, --task, --data-files,
+--eval-files and --max-new-tokens through to every run, so the same study runs on a real model:
+`--model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --data-files ../shared/data/...`.
 
 What the two papers claim, and what this sweep can show about it:
   [A] Mroueh et al. 2025: off-policy GRPO, whose sampler alpha is refreshed from the policy only every
@@ -39,27 +40,19 @@ Caveats, so nobody over-reads the numbers:
      log-prob pass on stale steps). [A]'s speed argument is about distributed set-ups where syncing the
      sampler's weights is expensive; here the wall-clock panels show only the extra compute.
   2. wall_s includes the held-out evaluations (train.py starts its clock before the start eval).
-  3. With the default warm-up the tiny policy is still undertrained, so part of any gain is what more
-     low-learning-rate training of any kind would give (README, "What the numbers mean"); compare
-     configs with each other, not with zero.
+  3. With the default warm-up the tiny policy is un-annealed, so a gain could be any movement of it; the
+     null control (v1-shuffled-rewards) tells: accuracy falls without the reward's signal. Compare configs
+     with each other, not with zero.
 """
 
 import argparse
-import contextlib
-import csv
-import io
-import json
-import multiprocessing
-import shutil
 import statistics
 import sys
 import time
-from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import fields
 from pathlib import Path
 
-from config import Config, ConfigError, resolve
+from config import Config
+from studies.runner import add_run_flags, make_config, mean_sd, read_csv, run_jobs, run_rows, write_csv
 
 # name -> the Config fields it changes. Ordered as the plots and the table list them.
 CONFIGS = {
@@ -105,12 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(
-        "--study",
-        choices=STUDIES,
-        default="offpolicy",
-        help="offpolicy (this sweep) or staleness (staleness.py; `--study staleness --help` lists its flags)",
-    )
     # --- the sweep --------------------------------------------------------------------------
     p.add_argument("--quick", action="store_true", help=f"a few-minute variant: {QUICK}")
     p.add_argument(
@@ -132,27 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--runs-dir", help="per-run folders (default runs/experiment, quick: runs/experiment-quick)")
     p.add_argument("--fresh", action="store_true", help="rerun every run, even one whose summary.json exists")
+    p.add_argument("--table-only", action="store_true", help="no training: table and picture from offpolicy.csv")
     return p
-
-
-# Config fields a study passes through to every run unchanged (None: the run's own default).
-PASSTHROUGH = ("model", "task", "data_files", "eval_files", "max_new_tokens")
-
-
-def add_run_flags(p: argparse.ArgumentParser) -> None:
-    """The flags both studies share: how each run executes, and what it trains (the pass-through)."""
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per run (1 keeps shared cores sane)")
-    p.add_argument(
-        "--workers", type=int, default=1, help="runs trained at once, each in its own process (default 1: in this one)"
-    )
-    p.add_argument(
-        "--cache-dir", default=Config.cache_dir, help="where the warmed-up tiny policy is cached, shared by all runs"
-    )
-    p.add_argument("--model", help="passed to every run (default: the built-in tiny policy)")
-    p.add_argument("--task", choices=["arithmetic", "gsm8k"], help="passed to every run (default arithmetic)")
-    p.add_argument("--data-files", help="passed to every run: local JSONL for --task gsm8k")
-    p.add_argument("--eval-files", help="passed to every run: local JSONL of held-out rows")
-    p.add_argument("--max-new-tokens", type=int, help="passed to every run (default: 8 arithmetic, 512 gsm8k)")
 
 
 def settings(argv: list[str] | None) -> argparse.Namespace:
@@ -164,139 +132,8 @@ def settings(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def make_config(args, out: Path, **changes) -> Config:
-    """One run's Config: the study's `changes` (config, lr, seed) on top of the run flags and the pass-through."""
-    given = {k: getattr(args, k) for k in PASSTHROUGH if getattr(args, k, None) is not None}
-    return resolve(
-        Config(
-            **changes,
-            **given,
-            steps=args.steps,
-            eval_every=args.eval_every,
-            eval_size=args.eval_size,
-            warmup_steps=args.warmup_steps,
-            cache_dir=args.cache_dir,
-            out=str(out),
-            progress=False,
-        )
-    )
-
-
 def run_config(args, name: str, lr: float, seed: int) -> Config:
     return make_config(args, Path(args.runs_dir) / f"{name}-lr{lr:g}-s{seed}", **CONFIGS[name], lr=lr, seed=seed)
-
-
-def finished(cfg: Config) -> bool:
-    """True when cfg.out holds a completed run of exactly this config (so it can be reused)."""
-    out = Path(cfg.out)
-    if not (out / "summary.json").is_file() or not (out / "config.json").is_file():
-        return False
-    saved = json.loads((out / "config.json").read_text())
-    ignore = {"progress", "resume"}  # do not change the result
-    # A field the saved config lacks was added to Config after that run: it ran with the default.
-    return all(saved.get(f.name, f.default) == getattr(cfg, f.name) for f in fields(Config) if f.name not in ignore)
-
-
-def clip_frac(m: dict):
-    """Fraction of the step's loss tokens whose clip was active; None for a step without a clipped loss."""
-    return m["clip_low"] + m["clip_high"] if "clip_low" in m else None
-
-
-# CSV column -> the per-step value it averages over the steps since the previous eval (None: no value that step).
-STEP_MEANS = {"reward": lambda m: m.get("reward"), "clip_frac": clip_frac}
-
-
-def run_rows(name: str, cfg: Config, base: dict | None = None, means: dict = STEP_MEANS) -> list[dict]:
-    """The CSV rows of one finished run: start (step 0), every intermediate eval, final (step = steps).
-
-    `step` counts completed steps; each column of `means` averages its per-step value over the steps since
-    the previous eval point: `reward` the mean training reward, `clip_frac` the fraction of loss tokens
-    whose clip was active (clip_low + clip_high). Blank at step 0, where no training has happened, and
-    where no step had a value (`clip_frac` of OPMD, which has no clip; a step whose sampler produced
-    non-finite logits logs no reward). `base` (default: the config's columns) starts every row.
-    """
-    out = Path(cfg.out)
-    summary = json.loads((out / "summary.json").read_text())
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    if base is None:
-        base = {"config": name, **{c: getattr(cfg, c) for c in CONFIG_COLUMNS}, "seed": cfg.seed}
-    rows = [
-        {**base, "step": 0, "wall_s": 0.0, "eval_accuracy": summary["eval_accuracy_start"], **dict.fromkeys(means, "")}
-    ]
-    window = {k: [] for k in means}  # column -> the values since the last eval point
-
-    def since_last_eval() -> dict:
-        row = {k: statistics.fmean(xs) if xs else "" for k, xs in window.items()}
-        for xs in window.values():
-            xs.clear()
-        return row
-
-    for m in metrics:
-        for k, value_of in means.items():
-            if (x := value_of(m)) is not None:
-                window[k].append(x)
-        if "eval_accuracy" in m:  # logged after step m["step"], i.e. after m["step"] + 1 completed steps
-            rows.append(
-                {
-                    **base,
-                    "step": m["step"] + 1,
-                    "wall_s": m["wall_s"],
-                    "eval_accuracy": m["eval_accuracy"],
-                    **since_last_eval(),
-                }
-            )
-    final = {"step": summary["steps"], "wall_s": summary["wall_s"], "eval_accuracy": summary["eval_accuracy_end"]}
-    rows.append({**base, **final, **since_last_eval()})
-    return rows
-
-
-def train_one(cfg: Config, threads: int) -> tuple[str, str] | None:
-    """Train one run in this process, its messages captured; None, or (error, the run's messages) if it failed.
-
-    A module-level function so that a worker process (--workers) can run it. torch and transformers load
-    here, not at import of this module.
-    """
-    import torch
-    import transformers
-
-    import train
-
-    # One thread: as fast as two for this ~1M-parameter model (measured here, ~0.15 s a step either
-    # way), and it cannot oversubscribe cores shared with another process (2 threads then took 2-6 s a step).
-    torch.set_num_threads(threads)
-    transformers.utils.logging.disable_progress_bar()  # no weight-loading bars between the run lines
-    # A half-written folder must go: train.py appends to an existing metrics.jsonl.
-    shutil.rmtree(cfg.out, ignore_errors=True)
-    log = io.StringIO()  # train's own messages; shown only if the run fails
-    try:
-        with contextlib.redirect_stdout(log):
-            train.train(cfg)
-    except (ConfigError, train.Diverged) as e:  # e.g. a diverged run at an aggressive lr: report it, go on
-        return str(e), log.getvalue().rstrip()
-    return None
-
-
-def run_jobs(cfgs: list[Config], args) -> Iterator[tuple[int, bool, tuple[str, str] | None]]:
-    """Train (or reuse) every run; yields (index into cfgs, reused, train_one's result) as each finishes.
-
-    A run whose folder holds a finished run of the same config is reused unless --fresh. With --workers 1
-    the runs train here, in order; with more, in that many spawned processes (a fresh interpreter each:
-    no forked torch thread pools), and they are reported in the order they finish.
-    """
-    todo = []
-    for i, cfg in enumerate(cfgs):
-        if not args.fresh and finished(cfg):
-            yield i, True, None
-        else:
-            todo.append(i)
-    if args.workers <= 1:
-        for i in todo:
-            yield i, False, train_one(cfgs[i], args.threads)
-        return
-    with ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        running = {pool.submit(train_one, cfgs[i], args.threads): i for i in todo}
-        for done in as_completed(running):
-            yield running[done], False, done.result()
 
 
 def sweep(args) -> tuple[list[dict], list[str]]:
@@ -311,7 +148,8 @@ def sweep(args) -> tuple[list[dict], list[str]]:
             print(f"{tag}  FAILED: {error[0]}\n{error[1]}", flush=True)
             failed.append(f"{name} lr={lr:g} seed={seed}: {error[0]}")
             continue
-        r = by_job[i] = run_rows(name, cfgs[i])
+        base = {"config": name, **{c: getattr(cfgs[i], c) for c in CONFIG_COLUMNS}, "seed": seed}
+        r = by_job[i] = run_rows(cfgs[i], base)
         print(
             f"{tag}  held-out acc {r[0]['eval_accuracy']:.3f} -> {r[-1]['eval_accuracy']:.3f} "
             f"({r[-1]['eval_accuracy'] - r[0]['eval_accuracy']:+.3f})  {r[-1]['wall_s']:6.1f} s"
@@ -319,11 +157,6 @@ def sweep(args) -> tuple[list[dict], list[str]]:
             flush=True,
         )
     return [row for i in sorted(by_job) for row in by_job[i]], failed
-
-
-def _mean_sd(xs: list[float], signed: bool = False) -> str:
-    """ "mean ± sample std" (std 0 for a single value); `signed` writes the mean's sign, for differences."""
-    return f"{statistics.fmean(xs):{'+' if signed else ''}.3f} ± {statistics.stdev(xs) if len(xs) > 1 else 0.0:.3f}"
 
 
 def summary_table(rows: list[dict], args, baseline: str = "v1") -> str:
@@ -359,10 +192,10 @@ def summary_table(rows: list[dict], args, baseline: str = "v1") -> str:
             ]
             clips = [r["clip_frac"] for r in runs if r["step"] > 0 and r["clip_frac"] != ""]
             walls = [r["wall_s"] for r in runs if r["step"] == args.steps]
-            vs = "—" if name == baseline or not paired else _mean_sd(paired, signed=True)
+            vs = "—" if name == baseline or not paired else mean_sd(paired, signed=True)
             clip = f"{100 * statistics.fmean(clips):.2f}%" if clips else "—"
             lines.append(
-                f"| {name} | {lr:g} | {len(seeds)} | {_mean_sd(ends)} | {vs} | {_mean_sd(late)} | "
+                f"| {name} | {lr:g} | {len(seeds)} | {mean_sd(ends)} | {vs} | {mean_sd(late)} | "
                 f"{clip} | {statistics.fmean(walls):.0f} |"
             )
     return "\n".join(lines) + "\n"
@@ -442,24 +275,7 @@ def plot(rows: list[dict], args, path: Path) -> bool:
     return True
 
 
-def write_csv(rows: list[dict], columns: list[str], path: Path) -> None:
-    """The rows as CSV (floats rounded to 6 digits, except the learning rate)."""
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-        w.writeheader()
-        w.writerows({k: round(v, 6) if isinstance(v, float) and k != "lr" else v for k, v in r.items()} for r in rows)
-
-
-STUDIES = ("offpolicy", "staleness")
-
-
 def main(argv: list[str] | None = None) -> int:
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--study", choices=STUDIES, default="offpolicy")
-    if pre.parse_known_args(argv)[0].study == "staleness":
-        import staleness  # the staleness study lives in its own file; it imports this one's machinery
-
-        return staleness.main(argv)
     args = settings(argv)
     if (
         args.steps < 1
@@ -474,18 +290,22 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    t0 = time.time()
-    rows, failed = sweep(args)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, CSV_COLUMNS, out / "offpolicy.csv")
+    t0, out = time.time(), Path(args.out_dir)
+    if args.table_only:
+        ints = {"offpolicy_steps", "inner_steps", "seed", "step"}
+        rows, failed = read_csv(out / "offpolicy.csv", ints, texts={"config", "clip_center", "loss"}), []
+    else:
+        rows, failed = sweep(args)
+        out.mkdir(parents=True, exist_ok=True)
+        write_csv(rows, CSV_COLUMNS, out / "offpolicy.csv")
     table = summary_table(rows, args)
     if failed:
         table += "\nFailed runs (left out above):\n" + "".join(f"- {f}\n" for f in failed)
     (out / "offpolicy_table.md").write_text(table)
     (out / "offpolicy.png").unlink(missing_ok=True)  # never leave a stale plot beside a new CSV
     png = ", offpolicy.png" if plot(rows, args, out / "offpolicy.png") else ""
-    print(f"\n{table}\nwrote {out}/offpolicy.csv, offpolicy_table.md{png} in {time.time() - t0:.0f} s")
+    wrote = "offpolicy_table.md" if args.table_only else "offpolicy.csv, offpolicy_table.md"
+    print(f"\n{table}\nwrote {out}/{wrote}{png} in {time.time() - t0:.0f} s")
     return 1 if failed else 0
 
 

@@ -1,7 +1,7 @@
 """The staleness study: every correction for a stale sampler, side by side, on the built-in task.
 
-    python experiment.py --study staleness --workers 2    # the whole study, 2 runs at a time (cost: below)
-    python experiment.py --study staleness --table-only   # table and picture again from results/staleness.csv
+    python -m studies.staleness --workers 2    # the whole study, 2 runs at a time (cost: below)
+    python -m studies.staleness --table-only   # table and picture again from results/staleness.csv
 
 The sampler alpha is refreshed from the policy every v steps (--offpolicy-steps), so at step k the data
 come from a policy up to v-1 updates old. Five ways to correct for that, all at lr 1e-4 (the rate at which
@@ -31,10 +31,8 @@ seed sets:
      v = 1 two-inner-step baseline, seeds 0-2 (--inner-seeds): on the second inner step rho != rho', so
      here the clips can act;
   3. v = 2 and 8 x the five corrections, seeds 0-1 (--sparse-vs, --sparse-seeds).
-  Fewer seeds in 2 and 3 because of time: runs went at ~45 s each per worker on the shared 2-core machine,
-  so the 105 runs planned at first (3 seeds at v = 2 and 8, 5 in the inner-steps block) would have taken
-  ~80 minutes. Measured: the 87 runs took 3099 s (52 min) as two niced 1-thread workers while other work
-  shared the cores (results/staleness_study.log); on idle cores, roughly 30-35 min (an estimate).
+  Fewer seeds in 2 and 3 because of time (~45 s a run per worker on the shared 2-core machine): the 87 runs
+  took 3099 s as two niced 1-thread workers beside other work (results/staleness_study.log).
 
 Steps and evaluation: 200 steps per run, 500 held-out problems every 50 steps. One 200-step run takes
 41 s on one thread (v = 4, measured with one other process on the machine): 0.12 s a step updating,
@@ -56,14 +54,13 @@ the machine was doing; compare it between runs of one study only. The limits of 
 """
 
 import argparse
-import csv
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import experiment
 from config import Config
+from studies import runner
 
 CORRECTIONS = {
     "current": dict(clip_center="current"),
@@ -92,18 +89,17 @@ CSV_COLUMNS = [
 ]
 # Per-step metrics averaged between eval points; steps without an update (no group had a signal) have none.
 STEP_MEANS = {
-    **experiment.STEP_MEANS,
+    **runner.STEP_MEANS,
     **{k: (lambda m, k=k: m.get(k)) for k in ("rho_prime_p99", "is_capped_frac", "is_masked_frac", "mismatch_kl_k3")},
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="experiment.py --study staleness",
+        prog="python -m studies.staleness",
         description=__doc__.split("\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--study", choices=["staleness"], default="staleness", help="(this study)")
     # --- the grid ------------------------------------------------------------------------------
     p.add_argument("--corrections", nargs="+", choices=list(CORRECTIONS), default=list(CORRECTIONS), help="(all)")
     p.add_argument("--vs", nargs="+", type=int, default=[1, 2, 4, 8, 16], help="refresh periods v (1 = baseline)")
@@ -122,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=50, help="held-out accuracy every this many steps")
     p.add_argument("--eval-size", type=int, default=500, help="held-out problems per evaluation")
     p.add_argument("--warmup-steps", type=int, default=Config.warmup_steps, help="warm-up of the tiny policy")
-    experiment.add_run_flags(p)
+    runner.add_run_flags(p)
     # --- output -----------------------------------------------------------------------------------
     p.add_argument("--out-dir", default="results", help="where staleness.csv/.png and staleness_table.md go")
     p.add_argument("--runs-dir", default="runs/staleness", help="per-run folders")
@@ -168,9 +164,9 @@ def run_name(correction: str, changes: dict) -> str:
 def run_study(args) -> tuple[list[dict], list[str]]:
     """Train (or reuse) every run of the grid; returns the CSV rows (in grid order) and the failed runs."""
     jobs = grid(args)
-    cfgs = [experiment.make_config(args, Path(args.runs_dir) / run_name(c, ch), **ch) for c, ch in jobs]
+    cfgs = [runner.make_config(args, Path(args.runs_dir) / run_name(c, ch), **ch) for c, ch in jobs]
     by_job, failed = {}, []
-    for count, (i, reused, error) in enumerate(experiment.run_jobs(cfgs, args), 1):
+    for count, (i, reused, error) in enumerate(runner.run_jobs(cfgs, args), 1):
         (correction, changes), cfg = jobs[i], cfgs[i]
         tag = (
             f"[{count:>3}/{len(jobs)}] {correction:<18} v={cfg.offpolicy_steps:<2} i={cfg.inner_steps} seed={cfg.seed}"
@@ -185,7 +181,7 @@ def run_study(args) -> tuple[list[dict], list[str]]:
             **{c: getattr(cfg, c) for c in RUN_COLUMNS},
             "seed": cfg.seed,
         }
-        r = by_job[i] = experiment.run_rows(correction, cfg, base=base, means=STEP_MEANS)
+        r = by_job[i] = runner.run_rows(cfg, base, means=STEP_MEANS)
         print(
             f"{tag}  held-out acc {r[0]['eval_accuracy']:.3f} -> {r[-1]['eval_accuracy']:.3f}  "
             f"{r[-1]['wall_s']:6.1f} s" + ("  (existing run)" if reused else ""),
@@ -196,15 +192,8 @@ def run_study(args) -> tuple[list[dict], list[str]]:
 
 def read_rows(path: Path) -> list[dict]:
     """staleness.csv back into typed rows (blank cells stay "")."""
-    ints = {"offpolicy_steps", "inner_steps", "seed", "step"}
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    for r in rows:
-        for k, x in r.items():
-            if k in ("correction", "clip_center", "loss") or x == "":
-                continue
-            r[k] = x == "True" if k == "shared_baseline" else int(x) if k in ints else float(x)
-    return rows
+    return runner.read_csv(path, ints={"offpolicy_steps", "inner_steps", "seed", "step"},
+                           texts={"correction", "clip_center", "loss"})  # fmt: skip
 
 
 # ---- the table ---------------------------------------------------------------------------------------
@@ -231,7 +220,7 @@ def _paired(a: dict, b: dict) -> str:
     ties = sum(x == 0 for x in d)
     tied = f", {ties} tied" if ties else ""
     t = f", t {statistics.fmean(d) / (sd / len(d) ** 0.5):+.1f}" if sd > 0 else ""
-    return f"{experiment._mean_sd(d, signed=True)} ({sum(x > 0 for x in d)}/{len(d)}{tied}{t})"
+    return f"{runner.mean_sd(d, signed=True)} ({sum(x > 0 for x in d)}/{len(d)}{tied}{t})"
 
 
 def _pct(xs: list) -> str:
@@ -274,8 +263,8 @@ def summary_table(rows: list[dict]) -> str:
             rho = [r["rho_prime_p99"] for r in trained if r["rho_prime_p99"] != ""]
             rho = f"{statistics.fmean(rho):.2f}" if rho else "—"
             lines.append(
-                f"| {c} | {v} | {inner} | {lr:g} | {len(seeds)} | {experiment._mean_sd(ends)} | {vs} | "
-                f"{experiment._mean_sd(late)} | {_pct([r['clip_frac'] for r in trained])} | "
+                f"| {c} | {v} | {inner} | {lr:g} | {len(seeds)} | {runner.mean_sd(ends)} | {vs} | "
+                f"{runner.mean_sd(late)} | {_pct([r['clip_frac'] for r in trained])} | "
                 f"{rho} | {_pct([r['is_capped_frac'] for r in trained])} | "
                 f"{statistics.fmean(runs[k][-1]['wall_s'] for k in keys):.0f} |"
             )
@@ -394,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         rows, failed = run_study(args)
         out.mkdir(parents=True, exist_ok=True)
-        experiment.write_csv(rows, CSV_COLUMNS, out / "staleness.csv")
+        runner.write_csv(rows, CSV_COLUMNS, out / "staleness.csv")
         print(f"{len(runs_of(rows))} runs trained or reused in {time.time() - t0:.0f} s")
     table = summary_table(rows)
     if failed:
@@ -404,3 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     png = ", staleness.png" if plot(rows, out / "staleness.png", args.curve_v) else ""
     print(f"\n{table}\nwrote {out}/staleness_table.md{png}" + ("" if args.table_only else ", staleness.csv"))
     return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,9 +1,9 @@
 """[A]'s off-policy GRPO inside TRL's GRPOTrainer: a frozen sampler refreshed every v steps, this project's loss.
 
-    python trl_grpo.py --offpolicy-steps 4 --output_dir runs/trl          # built-in tiny policy, arithmetic, CPU
-    torchrun --nproc_per_node 2 trl_grpo.py --offpolicy-steps 2 --max_steps 6 --output_dir runs/trl2
-    accelerate launch --num_processes 8 trl_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --use_vllm ...
-    python bench.py --trl-subclass                                        # cost of the stale copy vs stock TRL
+    python -m integrations.trl_grpo --offpolicy-steps 4 --output_dir runs/trl   # built-in tiny policy, arithmetic, CPU
+    torchrun --nproc_per_node 2 -m integrations.trl_grpo --offpolicy-steps 2 --max_steps 6 --output_dir runs/trl2
+    accelerate launch --num_processes 8 -m integrations.trl_grpo --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k ...
+    python -m benchmarks.bench --trl-subclass --prompts 8 --group 8    # cost of the stale copy vs stock TRL
 
 A GRPO step k is one generation and `num_iterations` (i) optimizer steps, k = global_step // i:
   1. if k % v == 0, alpha <- pi_theta (v = offpolicy_steps); k, and under DDP the weights, are equal on every rank,
@@ -54,6 +54,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 import objective
+import reinforce
 import tiny
 from advantage import group_advantages
 from reward import math_reward
@@ -74,7 +75,7 @@ class OffPolicyGRPOConfig(GRPOConfig):
     mask_zero_std: bool = field(default=True, metadata={"help": "drop equal-reward groups from loss and normaliser"})
     policy_loss: str = field(default="grpo", metadata={"help": "grpo (clipped surrogate), rec, rec-is, opmd ([B])"})
     tau_reg: float = field(default=0.1, metadata={"help": "opmd's regulariser (tau_reg / 2) (logp - log alpha)^2"})
-    # TRL's default True multiplies kl_t by pi_theta/pi_old; the KL here is design.md's plain k3.
+    # TRL's default True multiplies kl_t by pi_theta/pi_old; the KL here is objective.kl_penalty's plain k3.
     use_bias_correction_kl: bool = field(default=False, metadata={"help": "not supported here: must stay False"})
 
     def __post_init__(self):
@@ -240,17 +241,16 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         z = inputs["loss_total"].item() / self.accelerator.num_processes  # Z / P
         common = dict(agg=LOSS_TYPES[a.loss_type], max_new_tokens=self.max_completion_length, total=z)
         eps = dict(clip_eps=self.epsilon_low, clip_eps_high=self.epsilon_high)
+        logps = dict(logp=logp, behaviour_logp=behaviour, advantages=adv, completion_mask=mask)
         if a.policy_loss == "grpo":
-            logps = (logp, behaviour, current, inputs.get("ref_per_token_logps"))
+            ref = inputs.get("ref_per_token_logps")
             loss, st = objective.policy_loss(
-                *logps, adv, mask, clip_center=a.clip_center, beta=self.beta, **eps, **common
+                **logps, current_logp=current, ref_logp=ref, clip_center=a.clip_center, beta=self.beta, **eps, **common
             )
         elif a.policy_loss in ("rec", "rec-is"):
-            loss, st = objective.rec_loss(
-                logp, behaviour, adv, mask, importance_weight=a.policy_loss == "rec-is", **eps, **common
-            )
+            loss, st = reinforce.rec_loss(**logps, importance_weight=a.policy_loss == "rec-is", **eps, **common)
         else:
-            loss, st = objective.opmd_loss(logp, behaviour, adv, mask, tau_reg=a.tau_reg, **common)
+            loss, st = reinforce.opmd_loss(**logps, tau_reg=a.tau_reg, **common)
         # Token-weighted means over all ranks in one collective: [5 sums, tokens, max rho'] per rank.
         m = mask.float()  # (n, T)
         rho = torch.exp(current - behaviour) * m  # (n, T) rho', 0 off the mask

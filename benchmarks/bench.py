@@ -1,15 +1,15 @@
 """Speed and memory of one GRPO step of this project's own loop, phase by phase.
 
-    python bench.py --model tiny --prompts 8 --group 8 --max-new-tokens 16 --beta 0.04 --vs-trl --device cpu
-    python bench.py --model qwen2.5-0.5b-random --prompts 64 --group 8 --prompt-len 128 \\
+    python -m benchmarks.bench --model tiny --prompts 8 --group 8 --max-new-tokens 16 --beta 0.04 --vs-trl --device cpu
+    python -m benchmarks.bench --model qwen2.5-0.5b-random --prompts 64 --group 8 --prompt-len 128 \\
         --max-new-tokens 256 --beta 0.04 --device cuda --dtype bfloat16
 
-The timed step is train.py's own, `train.grpo_step`; its phases are the ones it times itself:
+The timed step is train.py's own, `step.grpo_step`; its phases are the ones it times itself:
     refresh  alpha <- pi_theta (load_state_dict), at refresh steps when --offpolicy-steps > 1
     sample   rollout.generate from alpha (the path it takes is printed: plain or static-cache+cuda-graph)
     score    the reward function (here: decode the completions to text, synthetic rewards), advantages
-    logprob  rollout.token_logprobs without grad: alpha on stale steps, pi_ref when --beta > 0
-    update   train.update: forward, backward and the AdamW step, micro-batched
+    logprob  logprobs.token_logprobs without grad: alpha on stale steps, pi_ref when --beta > 0
+    update   step.update: forward, backward and the AdamW step, micro-batched
 Each phase's median over --steps timed steps (after --warmup untimed ones) is printed, then, as the
 last line, one JSON object: step_s (median seconds per step), phases, tokens_per_s (completion
 tokens per second of a step), peak_mem_gb (CUDA: peak allocated; CPU: peak resident set).
@@ -23,35 +23,29 @@ Where it departs from a training run, so that runs are comparable:
   3. CUDA is synchronised at phase boundaries, so a phase's time is the GPU's, not the launch queue's.
   4. `--model tiny` has random weights (no supervised warm-up: timing does not depend on them).
 
-`--vs-trl` then runs TRL's GRPOTrainer (optional: `pip install trl`) on the same model, in the same
-process, with what can be matched matched: N = B*G completions per optimizer step (per-device batch
---micro-batch, gradient accumulation to N), num_generations G, max_completion_length T and
-`min_new_tokens` T (so it too generates exactly T tokens), random 0/1 rewards, beta,
-temperature, learning rate, clip eps, grad-norm clipping, one optimizer step per generation
-(num_iterations 1), no gradient checkpointing (TRL's default is on), bf16 only with --dtype bfloat16
-(TRL's default is on), no eval, no saving, no logging service. What differs: TRL samples with
-`model.generate` (its sampler, its KV cache), its prompts are the same words re-tokenised, its loss is
-"dapo" (token-level, like our token-mean), its optimizer is transformers' default AdamW. A TRL step
-is the time between two `on_step_end` callbacks, so it includes everything TRL does in a step.
+`--vs-trl` then runs TRL's GRPOTrainer (optional: `pip install trl`) on the same model and sizes, in the
+same process; `--trl-subclass` instead times stock GRPOTrainer against integrations/trl_grpo.py's subclass
+at v = 1 and v = 4. What is matched and what differs: integrations/trl_bench.py.
 """
 
 import argparse
+import contextlib
 import gc
+import importlib.util
 import json
 import os
 import random
-import resource
-import shutil
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
 from config import Config, resolve, validate
-from rollout import sampling_path
-from step import grpo_step, make_models
+from decoding import sampling_path
+from integrations.trl_bench import subclass_step_times, trl_step_times
+from run_io import peak_memory_gb
+from step import clock, grpo_step, make_models
 
 PRESETS = {  # random-weight models with a real model's shape
     "qwen2.5-0.5b-random": dict(
@@ -67,7 +61,8 @@ PRESETS = {  # random-weight models with a real model's shape
         rms_norm_eps=1e-6,
     ),
 }
-QWEN_TOKENIZER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data", "qwen2-tokenizer")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: benchmarks/ is one level down
+QWEN_TOKENIZER = os.path.join(ROOT, "..", "shared", "data", "qwen2-tokenizer")
 PHASES = ["refresh", "sample", "score", "logprob", "update"]
 
 
@@ -109,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--trl-subclass",
         action="store_true",
-        help="only this: stock GRPOTrainer against trl_grpo's subclass at v=1 and v=4 (tiny, 8 x 8 x 16, CPU)",
+        help="only this: stock GRPOTrainer, then integrations/trl_grpo's subclass at v=1 and v=4, at these sizes",
     )
     return p
 
@@ -170,18 +165,6 @@ def make_prompts(tok, words: list[int], n: int, length: int, rng: random.Random)
     return ids, tok.batch_decode(ids)
 
 
-def now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # time the GPU's work, not the launch queue's
-    return time.perf_counter()
-
-
-def peak_mem_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
-
-
 def synthetic_reward(tok, group_size: int, reward_gen: torch.Generator):
     """Random 0/1 rewards, with one flipped in any group that came out all equal (so every group has
     signal and the update always runs); the completions are decoded first, the text a verifier would read."""
@@ -198,7 +181,7 @@ def synthetic_reward(tok, group_size: int, reward_gen: torch.Generator):
 
 
 def bench_ours(cfg: Config, args, model, tok, words) -> dict:
-    """Medians over --steps timed steps of train.py's own step, `train.grpo_step`."""
+    """Medians over --steps timed steps of train.py's own step, `step.grpo_step`."""
     device = torch.device(cfg.device)
     models = make_models(cfg, model)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -211,11 +194,11 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
             torch.cuda.reset_peak_memory_stats(device)
         prompts, _ = make_prompts(tok, words, cfg.prompts_per_step, args.prompt_len, rng)
         prompts = prompts.to(device)  # (B, P), no padding
-        t = now(device)
+        t = clock(device)
         res = grpo_step(
             cfg, models, tok, prompts, torch.ones_like(prompts), k, gen, reward_fn, ignore_eos=True, fast=fast
         )
-        times = dict(res.times, step=now(device) - t, tokens=int(res.rollout.completion_mask.sum()))
+        times = dict(res.times, step=clock(device) - t, tokens=int(res.rollout.completion_mask.sum()))
         if k >= args.warmup:
             rows.append(times)
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
@@ -225,164 +208,28 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
         "step_s_mean": statistics.fmean(r["step"] for r in rows),
         "phases": {p: med(p) for p in PHASES},
         "tokens_per_s": med("tokens") / step_s,
-        "peak_mem_gb": peak_mem_gb(device),
+        "peak_mem_gb": peak_memory_gb(device),
         "sampling_path": sampling_path(models.sampler or models.policy, fast),
     }
 
 
-def bench_trl(cfg: Config, args, model_path: str, tok, words) -> dict:
-    """Median seconds per step of TRL's GRPOTrainer on the same model and sizes (module docstring)."""
-    import trl
-    from datasets import Dataset
-    from transformers import PrinterCallback, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    device = torch.device(cfg.device)
-    n = cfg.prompts_per_step * cfg.group_size
-    mb = cfg.micro_batch or n
-    total = args.warmup + args.steps
-    _, texts = make_prompts(tok, words, cfg.prompts_per_step * total, args.prompt_len, random.Random(cfg.seed))
-    rng = random.Random(cfg.seed + 1)
-
-    def random_reward(completions, **kwargs):
-        return [float(rng.random() < 0.5) for _ in completions]
-
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.ends = []
-
-        def on_train_begin(self, *a, **kw):
-            self.ends.append(now(device))
-
-        def on_step_end(self, *a, **kw):
-            self.ends.append(now(device))
-
-    out = tempfile.mkdtemp(prefix="bench-trl-")
-    gcfg = GRPOConfig(
-        output_dir=out,
-        per_device_train_batch_size=mb,
-        gradient_accumulation_steps=n // mb,
-        num_generations=cfg.group_size,
-        max_completion_length=cfg.max_new_tokens,
-        generation_kwargs={"min_new_tokens": cfg.max_new_tokens},
-        temperature=cfg.temperature,
-        beta=cfg.beta,
-        epsilon=cfg.clip_eps,
-        learning_rate=cfg.lr,
-        max_grad_norm=cfg.max_grad_norm,
-        num_iterations=1,
-        max_steps=total,
-        gradient_checkpointing=False,
-        bf16=cfg.dtype == "bfloat16",
-        use_cpu=device.type == "cpu",
-        report_to="none",
-        save_strategy="no",
-        eval_strategy="no",
-        logging_steps=10**9,
-        disable_tqdm=True,
-        shuffle_dataset=False,
-        seed=cfg.seed,
-        model_init_kwargs={"dtype": torch.float32},
-    )
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    timer = StepTimer()
-    trainer = GRPOTrainer(
-        model=model_path,
-        reward_funcs=random_reward,
-        args=gcfg,
-        train_dataset=Dataset.from_dict({"prompt": texts}),
-        processing_class=tok,
-        callbacks=[timer],
-    )
-    trainer.remove_callback(PrinterCallback)  # its end-of-training metrics line would come after our table
-    try:
-        trainer.train()
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
-    steps = [b - a for a, b in zip(timer.ends, timer.ends[1:])][args.warmup :]  # step k = end(k) - end(k-1)
-    lens = [len(x) for x in tok(texts[: cfg.prompts_per_step]).input_ids]
-    return {
-        "step_s": statistics.median(steps),
-        "steps": len(steps),
-        "version": trl.__version__,
-        "prompt_len": statistics.fmean(lens),
-        "peak_mem_gb": peak_mem_gb(device) if device.type == "cuda" else None,
-    }
+@contextlib.contextmanager
+def saved(model, tok):
+    """The model and tokenizer saved into a temporary folder (removed afterwards): TRL loads models by path."""
+    with tempfile.TemporaryDirectory(prefix="bench-model-") as path:
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+        yield path
 
 
-def bench_trl_subclass(warmup: int = 1, steps: int = 12) -> dict:
-    """Seconds per step of stock GRPOTrainer and of this subclass at v=1 and v=4, one after the other, one process:
-    tiny model, random weights, 8 prompts x 8 completions x 16 tokens (min_new_tokens 16: equal work every step),
-    random 0/1 rewards, beta 0.04, one micro-batch, CPU float32. A step is the time between two on_step_end
-    callbacks; the 12 timed steps hold three refreshes of v=4 (steps 4, 8, 12), so the mean includes them."""
-    from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    import tiny
-    from tasks import load_task
-    from trl_grpo import OffPolicyGRPOConfig, OffPolicyGRPOTrainer
-
-    class EndTimer(TrainerCallback):
-        def on_step_end(self, *args, **kwargs):
-            self.ends = getattr(self, "ends", []) + [time.time()]
-
-    tok, model_dir = tiny.build_tokenizer(), tempfile.mkdtemp(prefix="trl-bench-")
-    tiny.build_model(tok, seed=0).save_pretrained(model_dir)
-    data = Dataset.from_dict({"prompt": [p.question for p in load_task("arithmetic")[0][: 8 * (warmup + steps)]]})
-    results = {}
-    for name, cls, extra in (
-        ("TRL GRPOTrainer", GRPOTrainer, {}),
-        ("ours v=1", OffPolicyGRPOTrainer, {}),
-        ("ours v=4", OffPolicyGRPOTrainer, {"offpolicy_steps": 4}),
-    ):
-        rng, timer = random.Random(0), EndTimer()
-        args = (GRPOConfig if cls is GRPOTrainer else OffPolicyGRPOConfig)(
-            output_dir=tempfile.mkdtemp(prefix="trl-bench-out-"),
-            per_device_train_batch_size=64,
-            num_generations=8,
-            max_completion_length=16,
-            generation_kwargs={"min_new_tokens": 16},
-            beta=0.04,
-            learning_rate=1e-5,
-            max_steps=warmup + steps,
-            gradient_checkpointing=False,
-            bf16=False,
-            use_cpu=True,
-            report_to="none",
-            save_strategy="no",
-            logging_steps=10**9,
-            disable_tqdm=True,
-            shuffle_dataset=False,
-            seed=0,
-            **extra,
-        )
-        cls(
-            model=model_dir,
-            args=args,
-            processing_class=tok,
-            callbacks=[timer],
-            train_dataset=data,
-            reward_funcs=lambda completions, rng=rng, **kw: [float(rng.random() < 0.5) for _ in completions],
-        ).train()
-        times = [b - a for a, b in zip(timer.ends[warmup - 1 :], timer.ends[warmup:])]
-        results[name] = {"median_s": statistics.median(times), "mean_s": statistics.fmean(times)}
-        print(
-            f"{name:<16} step median {results[name]['median_s']:.3f} s, mean {results[name]['mean_s']:.3f} s "
-            f"({len(times)} steps after {warmup} warm-up)",
-            flush=True,
-        )
-    print(json.dumps(results), flush=True)
-    return results
+def trl_prompts(cfg: Config, args, tok, words: list[int]) -> list[str]:
+    """The text prompts TRL trains on: --prompts random word prompts per step, for --warmup + --steps steps."""
+    n = cfg.prompts_per_step * (args.warmup + args.steps)
+    return make_prompts(tok, words, n, args.prompt_len, random.Random(cfg.seed))[1]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.trl_subclass:
-        torch.set_num_threads(args.threads or torch.get_num_threads())
-        bench_trl_subclass()
-        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = resolve(
@@ -405,28 +252,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.warmup < 0 or args.prompt_len < 1:
         raise SystemExit("error: --steps must be >= 1, --warmup >= 0, --prompt-len >= 1")
     device = torch.device(cfg.device)
-    trl_ok = True
-    if args.vs_trl:
+    use_trl = args.vs_trl or args.trl_subclass
+    if use_trl and importlib.util.find_spec("trl") is not None:
         try:
             import trl  # noqa: F401
         except ImportError:
-            trl_ok = False
-            print(
-                "--vs-trl: TRL is not installed (pip install trl, or the project's [trl] extra); timing our loop only",
-                flush=True,
-            )
+            use_trl = False
+    elif use_trl:
+        use_trl = False
+    if (args.vs_trl or args.trl_subclass) and not use_trl:
+        print("TRL is not installed (pip install trl, or the project's [trl] extra): ", end="")
+        if args.trl_subclass:
+            print("--trl-subclass has nothing to time", file=sys.stderr)
+            return 2
+        print("timing our loop only", flush=True)
 
     model, tok, described = load_model(args.model, device, cfg.seed)
     words = prompt_words(tok)
-    model_dir = None
-    if args.vs_trl and trl_ok:  # TRL loads the model by path: the very weights we start from
-        model_dir = args.model
-        if args.model == "tiny" or args.model in PRESETS:  # built here: saved for TRL first
-            model_dir = tempfile.mkdtemp(prefix="bench-model-")
-            model.save_pretrained(model_dir)
-            tok.save_pretrained(model_dir)
-
     n = cfg.prompts_per_step * cfg.group_size
+    if args.trl_subclass:
+        with saved(model, tok) as model_dir:
+            del model
+            res = subclass_step_times(cfg, model_dir, tok, trl_prompts(cfg, args, tok, words), args.warmup, args.steps)
+        print(json.dumps(res), flush=True)
+        return 0
+
     ours = bench_ours(cfg, args, model, tok, words)
     n_params = sum(p.numel() for p in model.parameters())
     print(
@@ -459,17 +309,14 @@ def main(argv: list[str] | None = None) -> int:
         micro_batch=cfg.micro_batch or n,
         steps=args.steps,
     )
-    if model_dir is not None:
+    if use_trl:
         print(json.dumps(result), flush=True)  # ours, in case TRL does not finish; the full line follows
-        del model
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        try:
-            theirs = bench_trl(cfg, args, model_dir, tok, words)
-        finally:
-            if model_dir != args.model:
-                shutil.rmtree(model_dir, ignore_errors=True)
+        with saved(model, tok) as model_dir:  # TRL loads the model by path: the very weights we started from
+            del model
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            theirs = trl_step_times(cfg, model_dir, tok, trl_prompts(cfg, args, tok, words), args.warmup, args.steps)
         ratio = ours["step_s"] / theirs["step_s"]
         mem = f", peak memory {theirs['peak_mem_gb']:.2f} GB" if theirs["peak_mem_gb"] is not None else ""
         print(

@@ -1,0 +1,136 @@
+"""Defects a close review found, each pinned by a test that failed before its fix (issue: "the house, part 2")."""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import objective
+import reinforce
+import run_io
+import step
+from config import Config, resolve
+from conftest import ROOT
+from logprobs import token_logprobs
+from objective import aggregation_total, mis_keep_mask, policy_loss, surrogate_per_token
+from reinforce import opmd_loss, rec_loss
+from test_train import make_batch
+
+
+def overflow_outside_the_mask():
+    """Two sequences of 3 tokens; the last token of each is outside the mask and its rho' overflows (inf)."""
+    logp = torch.full((2, 3), -1.0, dtype=torch.float64, requires_grad=True)
+    blogp = torch.tensor([[-1.0, -1.2, -1000.0], [-0.8, -1.0, -1000.0]], dtype=torch.float64)
+    clogp = torch.tensor([[-1.1, -1.0, 0.0], [-0.9, -1.1, 0.0]], dtype=torch.float64)  # exp(1000) = inf
+    ref = torch.tensor([[-1.0, -1.0, 1000.0], [-1.0, -1.0, 1000.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    return logp, blogp, clogp, ref, torch.tensor([1.0, -1.0], dtype=torch.float64), mask
+
+
+@pytest.mark.parametrize(
+    "loss",
+    ["current", "behaviour", "decoupled", "decoupled-tis", "mis", "rec", "rec-is", "opmd"],
+)
+def test_a_token_outside_the_mask_cannot_make_the_loss_or_gradient_non_finite(loss):
+    logp, blogp, clogp, ref, adv, mask = overflow_outside_the_mask()
+    if loss in ("rec", "rec-is"):
+        value, _ = rec_loss(logp, blogp, adv, mask, importance_weight=loss == "rec-is")
+    elif loss == "opmd":
+        value, _ = opmd_loss(logp, blogp, adv, mask)
+    else:
+        center = loss.split("-")[0] if loss != "mis" else "current"
+        kw = dict(is_cap=2.0 if loss == "decoupled-tis" else None, is_mask=4.0 if loss == "mis" else None)
+        value, _ = policy_loss(logp, blogp, clogp, ref, adv, mask, clip_center=center, beta=0.1, **kw)
+    value.backward()
+    assert torch.isfinite(value) and torch.isfinite(logp.grad).all(), (value, logp.grad)
+    assert (logp.grad[:, 2] == 0).all()  # the masked-out tokens get no gradient
+    # ... and the value is that of the same batch without the masked-out column.
+    sub = [t[:, :2] if t.dim() == 2 else t for t in overflow_outside_the_mask()]
+    if loss in ("rec", "rec-is"):
+        expected, _ = rec_loss(sub[0], sub[1], sub[4], sub[5], importance_weight=loss == "rec-is")
+    elif loss == "opmd":
+        expected, _ = opmd_loss(sub[0], sub[1], sub[4], sub[5])
+    else:
+        expected, _ = policy_loss(*sub, clip_center=center, beta=0.1, **kw)
+    assert value.item() == pytest.approx(expected.item(), rel=1e-12)
+
+
+def test_per_token_terms_are_named_tuples():
+    logp, blogp, clogp, _, adv, mask = overflow_outside_the_mask()
+    o = surrogate_per_token(logp[:, :2], blogp[:, :2], clogp[:, :2], adv, is_mask=4.0)
+    assert o.objective.shape == o.ratio.shape == o.clip_low.shape == o.clip_high.shape == o.keep.shape == (2, 2)
+    r = reinforce.rec_per_token(logp[:, :2], blogp[:, :2], adv)
+    assert r.objective.shape == r.ratio.shape == r.clip_low.shape == r.clip_high.shape == (2, 2)
+    m = reinforce.opmd_per_token(logp[:, :2], blogp[:, :2], adv)
+    assert m.per_token.shape == m.log_ratio.shape == (2, 2)
+
+
+def dropout_model(tok):
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      attention_dropout=0.5, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(cfg)
+
+
+def test_dropout_is_off_in_every_log_prob_pass(tok):
+    # A refresh step (alpha = pi_k = pi_theta): rho must be exactly 1, and log pi_k the model's eval forward.
+    model = dropout_model(tok)
+    batch = make_batch(model, tok)
+    cfg = resolve(Config(group_size=4, prompts_per_step=4, out="/tmp/unused", lr=0.0))
+    stats, pi_k = step.update(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0), batch, None, None)
+    model.eval()
+    with torch.no_grad():
+        eval_logp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
+    m = batch.loss_mask > 0
+    assert torch.equal(pi_k[m], eval_logp[m])
+    assert stats["ratio_mean"] == 1.0 and stats["clip_low"] == stats["clip_high"] == 0.0
+
+
+def test_update_calls_the_loss_by_keyword_with_the_final_normaliser_and_the_mismatch_once(model, tok, monkeypatch):
+    # A stale step with MIS, micro-batched: every micro-batch's loss gets the whole step's MIS normaliser.
+    batch = make_batch(model, tok)
+    with torch.no_grad():
+        logp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
+    behaviour = logp + 0.8 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(0))
+    cfg = resolve(Config(group_size=4, prompts_per_step=4, out="/tmp/unused", micro_batch=4, is_mask=1.5))
+    calls, stats_calls = [], []
+    real_loss, real_stats = step.policy_loss, step.sampler_mismatch_stats
+    monkeypatch.setattr(step, "policy_loss", lambda *a, **kw: calls.append((a, kw)) or real_loss(*a, **kw))
+    monkeypatch.setattr(objective, "sampler_mismatch_stats", lambda *a, **kw: pytest.fail("policy_loss computes it"))
+    monkeypatch.setattr(step, "sampler_mismatch_stats", lambda *a, **kw: stats_calls.append(1) or real_stats(*a, **kw))
+    step.update(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0), batch, behaviour, None)
+    keep = mis_keep_mask(behaviour, logp, 1.5)
+    expected = aggregation_total(batch.loss_mask * keep, cfg.agg, cfg.max_new_tokens)
+    assert len(calls) == 4 and all(a == () for a, _ in calls)  # keywords only
+    assert {kw["total"] for _, kw in calls} == {expected} and expected < batch.loss_mask.sum().item()
+    assert stats_calls == [1]
+
+
+def test_curves_of_a_run_without_a_clip_draw_without_warnings(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{"step": k, "reward": 0.5, "kl": 0.0, "entropy": 1.0, "rho_prime_max": 1.0} for k in range(3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_io.write_curves(tmp_path, {"eval_accuracy_start": 0.1, "eval_accuracy_end": 0.2, "steps": 3})
+
+
+@pytest.mark.model
+def test_bench_trl_subclass_honours_steps_and_warmup_and_leaves_no_folder(tmp_path):
+    pytest.importorskip("trl")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    sizes = ["--prompts", "2", "--group", "2", "--prompt-len", "4", "--max-new-tokens", "2", "--threads", "1"]
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench", "--trl-subclass", *sizes, "--steps", "2", "--warmup", "0"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(res) == {"TRL GRPOTrainer", "ours v=1", "ours v=4"} and all(r["steps"] == 2 for r in res.values())
+    assert list(tmp_path.iterdir()) == []  # no model or output folder left behind
