@@ -43,7 +43,16 @@ class Config:
     group_size: int = arg(8, "G, completions sampled per prompt")
     max_new_tokens: int | None = arg(None, "completion length limit (default: 8 for arithmetic, 512 for gsm8k)")
     temperature: float = arg(1.0, "sampling temperature tau; log-probs are computed from logits / tau")
-    offpolicy_steps: int = arg(1, "v, the sampler is refreshed from the policy every v steps (1 = on-policy)")
+    offpolicy_steps: int = arg(
+        1, "v: every v steps the policy samples the next v steps' batches at once (alpha = pi_theta; 1 = on-policy)"
+    )
+    alpha_logp: str = arg(
+        "recompute",
+        "log alpha of a cycle's later batches: recompute (a no-grad forward of pi_theta at the refresh, the "
+        "training forward's numerics) or sampler (the log-probs the sampler recorded; no extra forward)",
+        ["recompute", "sampler"],
+    )
+    sample_rows: int = arg(512, "most rows (completions) per generate call when a refresh samples its cycle")
     # --- advantages (step 4) ----------------------------------------------------------------------
     mask_zero_std: bool = arg(
         True, "drop groups whose rewards are all equal from the loss and its normaliser (--no-mask-zero-std keeps them)"
@@ -202,6 +211,7 @@ def validate(cfg: Config) -> None:
         (cfg.warmup_steps >= 0, "--warmup-steps must be >= 0"),
         (cfg.save_every >= 0, "--save-every must be >= 0"),
         (cfg.keep_checkpoints >= 1, "--keep-checkpoints must be >= 1"),
+        (cfg.sample_rows >= 1, "--sample-rows must be >= 1"),
     ]
     for f in fields(Config):
         value, choices = getattr(cfg, f.name), f.metadata["choices"]

@@ -2,9 +2,9 @@
 
 `generate` samples from the behaviour (stale) policy alpha with a KV cache, token by token,
 from softmax(logits / temperature), with an explicit torch.Generator so that runs are
-reproducible. `token_logprobs` (in logprobs.py, which imports only torch, re-exported here) computes
-log pi(y_t | prompt, y_<t) for given completions under any model, from logits / temperature, i.e.
-under the distribution that was actually sampled.
+reproducible; `generate_batches` samples several steps' batches in as few calls as a row cap allows
+(a refresh cycle's, step.py). `logprobs.token_logprobs` computes log pi(y_t | prompt, y_<t) for given
+completions under any model, from logits / temperature, i.e. under the distribution that was sampled.
 
 Layout of a batch (the convention every other file uses):
     prompt_ids   (N, P)  left-padded, so every prompt ends at column P-1
@@ -140,3 +140,68 @@ def generate(
         entropy=ents,
         truncated=alive,
     )
+
+
+def cat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
+    """Rollouts of separate `generate` calls as one, rows in order: prompts left-padded and completions
+    right-padded to the widest (padding is masked, so no row's tokens or log-probs change)."""
+    if len(parts) == 1:
+        return parts[0]
+    p = max(r.prompt_ids.shape[1] for r in parts)
+    t = max(r.completion_ids.shape[1] for r in parts)
+
+    def pad(x, width, value, left):
+        gap = width - x.shape[1]
+        return torch.nn.functional.pad(x, (gap, 0) if left else (0, gap), value=value)
+
+    return Rollout(
+        prompt_ids=torch.cat([pad(r.prompt_ids, p, pad_token_id, True) for r in parts]),  # (N, P)
+        prompt_mask=torch.cat([pad(r.prompt_mask, p, 0, True) for r in parts]),  # (N, P)
+        completion_ids=torch.cat([pad(r.completion_ids, t, pad_token_id, False) for r in parts]),  # (N, T)
+        completion_mask=torch.cat([pad(r.completion_mask, t, 0, False) for r in parts]),  # (N, T)
+        sampler_logp=torch.cat([pad(r.sampler_logp, t, 0.0, False) for r in parts]),  # (N, T)
+        entropy=torch.cat([pad(r.entropy, t, 0.0, False) for r in parts]),  # (N, T)
+        truncated=torch.cat([r.truncated for r in parts]),  # (N,)
+    )
+
+
+def rollout_rows(ro: Rollout, rows: slice) -> Rollout:
+    """The rows `rows` of a rollout, without the columns that are padding in every one of them (prompt
+    columns on the left, completion columns on the right): exactly what sampling those rows alone gives."""
+    pm, cm = ro.prompt_mask[rows], ro.completion_mask[rows]  # (n, P), (n, T)
+    first = int((pm.sum(0) > 0).long().argmax()) if pm.any() else pm.shape[1]  # first prompt column in use
+    t = int(cm.sum(1).max()) if cm.numel() else 0  # the longest completion
+    return Rollout(
+        prompt_ids=ro.prompt_ids[rows, first:],
+        prompt_mask=pm[:, first:],
+        completion_ids=ro.completion_ids[rows, :t],
+        completion_mask=cm[:, :t],
+        sampler_logp=ro.sampler_logp[rows, :t],
+        entropy=ro.entropy[rows, :t],
+        truncated=ro.truncated[rows],
+    )
+
+
+def generate_batches(
+    model, prompts: list[tuple[torch.Tensor, torch.Tensor]], *, group_size: int, max_rows: int, pad_token_id: int, **kw
+) -> list[Rollout]:
+    """One Rollout per batch of `prompts` ((B_j, P_j) ids and mask each), sampled in as few `generate` calls
+    as `max_rows` rows per call allow (a call holds whole prompts, at least one): the stale policy's v
+    batches of a refresh cycle, drawn at once. Rows keep their order: batch j's rows follow batch j - 1's."""
+    width = max(ids.shape[1] for ids, _ in prompts)
+    left = lambda x, v: torch.nn.functional.pad(x, (width - x.shape[1], 0), value=v)  # noqa: E731
+    ids = torch.cat([left(i, pad_token_id) for i, _ in prompts])  # (sum B_j, P) left-padded
+    mask = torch.cat([left(m, 0) for _, m in prompts])  # (sum B_j, P)
+    per_call = max(1, max_rows // group_size)  # prompts per call
+    parts = [
+        generate(model, ids[s : s + per_call], mask[s : s + per_call], group_size=group_size,
+                 pad_token_id=pad_token_id, **kw)
+        for s in range(0, ids.shape[0], per_call)
+    ]  # fmt: skip
+    whole = cat_rollouts(parts, pad_token_id)
+    out, start = [], 0
+    for i, _ in prompts:
+        n = i.shape[0] * group_size
+        out.append(rollout_rows(whole, slice(start, start + n)))
+        start += n
+    return out

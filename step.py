@@ -1,24 +1,35 @@
 """One GRPO step, steps 1-6 of [A]'s Algorithm 1 (docs/design.md): what train.py's loop and the benchmark call.
 
 One training step k:
-  1. refresh the sampler: if k % v == 0, alpha <- pi_theta (v = --offpolicy-steps; v = 1 keeps
-     no copy: the live model samples);
+  1. refresh: if k % v == 0 (v = --offpolicy-steps), alpha <- pi_theta, and the batches of steps
+     k, ..., k + v - 1 are sampled now (`sample_cycle`, 2-3 below, and log alpha);
   2. sample G completions for each of B prompts from alpha;
-  3. score them with a reward function (train.py: the verifier of reward.py; bench.py: synthetic);
-  4. group-relative advantages, zero-std groups masked out (advantage.py);
-  5. log-probs under alpha (stale steps only), pi_k and pi_ref (only when beta > 0) (rollout.py);
+  3. score them with a reward function (train.py: the verifier of reward.py; the benchmark: synthetic);
+  4. group-relative advantages within the step's own groups, zero-std groups masked out (advantage.py);
+  5. log-probs under pi_ref (only when beta > 0); log alpha came with the batch, log pi_k comes from 6;
   6. --inner-steps optimizer steps over the batch, each accumulated over --micro-batch chunks,
-     on the clipped surrogate with k3 KL, or a loss of [B] (objective.py).
+     on [A]'s clipped surrogate, or a loss of [B] (objective.py, reinforce.py).
+
+The stale policy is a batch, not a model. [A] samples step k + j's batch from alpha, the policy of the last
+refresh k, frozen for j = 0, ..., v - 1 steps. Between two refreshes alpha does not change, so drawing those
+v batches from it at step k is drawing them from the frozen alpha later: the same distribution, and alpha
+never has to exist as a second copy of the weights. At the refresh pi_theta *is* alpha; the v x B x G rows
+go to `generate` in as few calls as --sample-rows allows, and log alpha of the later batches is either
+recomputed then by a no-grad forward of pi_theta (--alpha-logp recompute, the training forward's numerics)
+or taken from what the sampler recorded (sampler: no extra forward). The cycle's batches live in a `Cycle`,
+which checkpoints hold, so a run killed mid-cycle resumes bit for bit.
 
 Deviations from [A]:
   1. log pi_k is not a separate forward pass: until the step's first optimizer update,
      pi_theta *is* pi_k, so the first inner epoch records logp.detach() of its own forward.
-     At refresh steps alpha = pi_k too, so then the behaviour pass is skipped as well: on-policy
-     steps run no extra forward at all.
+     At refresh steps alpha = pi_k too (with recompute), so on-policy steps run no extra forward at all.
+  2. A step whose cycle is missing (its refresh's sampling failed, a checkpoint without one) samples the
+     rest of its cycle, steps k, ..., up to the next multiple of v, from pi_theta then.
 """
 
 import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,29 +39,23 @@ from config import Config
 from logprobs import token_logprobs
 from objective import aggregation_total, mis_keep_mask, policy_loss, sampler_mismatch_stats
 from reinforce import opmd_loss, rec_loss
-from rollout import Rollout, generate
+from rollout import Rollout, generate_batches
 
 
 @dataclass
 class Models:
-    """What a step reads and changes: the trained policy, its optimizer, and the two frozen copies."""
+    """What a step reads and changes: the trained policy, its optimizer, and pi_ref. alpha is no model: it is
+    the policy at the last refresh, which sampled the cycle's batches then (module docstring)."""
 
     policy: torch.nn.Module  # pi_theta
     opt: torch.optim.Optimizer
-    sampler: torch.nn.Module | None  # alpha, refreshed every v steps; None when v = 1 (the live policy samples)
-    ref: torch.nn.Module | None  # pi_ref; None when beta = 0 (no KL term)
+    ref: torch.nn.Module | None  # pi_ref, a frozen copy; None when beta = 0 (no KL term)
 
 
 def make_models(cfg: Config, policy: torch.nn.Module) -> Models:
-    """AdamW on the policy, and the frozen copies the flags ask for: alpha (v > 1) and pi_ref (beta > 0).
-
-    Frozen means no gradients and eval mode. With v = 1 there is no alpha (the live policy samples) and
-    with beta = 0 no pi_ref, so neither costs memory when it is not needed.
-    """
-    frozen = lambda: copy.deepcopy(policy).requires_grad_(False).eval()  # noqa: E731
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return Models(policy, opt, sampler=frozen() if cfg.offpolicy_steps > 1 else None,
-                  ref=frozen() if cfg.beta > 0 else None)  # fmt: skip
+    """AdamW on the policy, and pi_ref (a copy without gradients, in eval mode) only when beta > 0."""
+    ref = copy.deepcopy(policy).requires_grad_(False).eval() if cfg.beta > 0 else None
+    return Models(policy, torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay), ref)
 
 
 @dataclass
@@ -71,9 +76,89 @@ class StepResult:
     rollout: Rollout
     rewards: torch.Tensor  # (N,)
     batch: Batch
-    alpha_logp: torch.Tensor | None  # (N, T) log alpha from a full forward (pi_k's at refresh steps); None: no update
+    alpha_logp: torch.Tensor | None  # (N, T) log alpha from a full forward; None: no update, or none ran
     stats: dict  # update()'s averages, or skipped_no_signal when no group had signal
     times: dict  # seconds: refresh, sample, score, logprob, update
+
+
+@dataclass
+class Sampled:
+    """One step's batch, drawn from alpha at its cycle's refresh."""
+
+    rollout: Rollout
+    rewards: torch.Tensor  # (N,)
+    alpha_logp: torch.Tensor | None  # (N, T) log alpha; None: alpha = pi_k (the refresh step, --alpha-logp recompute)
+
+
+@dataclass
+class Cycle:
+    """The batches of one refresh cycle: steps start, start + 1, ..., sampled at once from alpha = pi_theta of
+    step `start` (module docstring). `times` holds the refresh's sampling, scoring and log-alpha seconds."""
+
+    start: int
+    batches: list[Sampled]
+    times: dict
+
+    def covers(self, step: int) -> bool:
+        return self.start <= step < self.start + len(self.batches)
+
+    def state(self) -> dict:
+        """Plain tensors, ints and dicts: what a checkpoint stores (torch.load(weights_only=True) reads it)."""
+        batches = [{"rollout": vars(b.rollout), "rewards": b.rewards, "alpha_logp": b.alpha_logp} for b in self.batches]
+        return {"start": self.start, "batches": batches}
+
+    @classmethod
+    def from_state(cls, state: dict, device) -> "Cycle":
+        to = lambda x: None if x is None else x.to(device)  # noqa: E731
+        batches = [
+            Sampled(Rollout(**{k: to(v) for k, v in b["rollout"].items()}), to(b["rewards"]), to(b["alpha_logp"]))
+            for b in state["batches"]
+        ]
+        return cls(state["start"], batches, times={})
+
+
+def sample_cycle(cfg: Config, models: Models, tokenizer, start: int, draws: list, gen, *, ignore_eos, fast) -> Cycle:
+    """Steps 1-3 for the steps start, ..., start + len(draws) - 1 at once, from alpha = pi_theta now.
+
+    draws: one (prompt_ids, prompt_mask, reward_fn) per step, in the order the steps would have drawn them.
+    log alpha (--alpha-logp): `recompute`, a no-grad forward of pi_theta over the batches after the first
+    (the first is pi_k's own: its update's first epoch records it); or `sampler`, the log-probs `generate`
+    recorded while sampling, for every batch. Raises FloatingPointError when the sampler's logits are not
+    finite (a diverged policy).
+    """
+    device, times = draws[0][0].device, {}
+    t = clock(device)
+    models.policy.eval()
+    with autocast(cfg, device):
+        rollouts = generate_batches(
+            models.policy,
+            [(ids, mask) for ids, mask, _ in draws],
+            group_size=cfg.group_size,
+            max_rows=cfg.sample_rows,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            generator=gen,
+            ignore_eos=ignore_eos,
+            fast=fast,
+        )
+    times["sample"], t = clock(device) - t, clock(device)
+    rewards = [reward_fn(ro) for ro, (_, _, reward_fn) in zip(rollouts, draws)]  # (N,) each
+    times["score"], t = clock(device) - t, clock(device)
+    alpha = []
+    with torch.no_grad(), autocast(cfg, device):
+        for j, ro in enumerate(rollouts):
+            if cfg.alpha_logp == "sampler":
+                alpha.append(ro.sampler_logp)
+            elif j == 0:
+                alpha.append(None)  # alpha = pi_k: the update's first epoch records it
+            else:
+                alpha.append(
+                    token_logprobs(models.policy, ro.input_ids, ro.attention_mask, ro.completion_mask, cfg.temperature)
+                )  # (N, T)
+    times["logprob"] = clock(device) - t
+    return Cycle(start, [Sampled(*b) for b in zip(rollouts, rewards, alpha)], times)
 
 
 def autocast(cfg: Config, device):
@@ -219,56 +304,43 @@ def grpo_step(
     cfg: Config,
     models: Models,
     tokenizer,
-    prompt_ids,
-    prompt_mask,
     step: int,
     gen: torch.Generator,
-    reward_fn,
+    cycle: Cycle | None,
+    draw: Callable[[int], list],
     *,
     ignore_eos: bool = False,
     fast: bool | None = None,
-) -> StepResult:
-    """Steps 1-6 of one GRPO step (module docstring), shared by `train` and bench.py.
+) -> tuple[StepResult, Cycle]:
+    """Steps 1-6 of one GRPO step (module docstring), shared by `train` and the benchmark.
 
     Args:
         tokenizer: gives the EOS and pad ids.
-        prompt_ids, prompt_mask: (B, P) left-padded prompts on the policy's device.
-        step: k, the index of this step; the sampler is refreshed when k % v == 0.
+        step: k, the index of this step; alpha is refreshed when k % v == 0.
         gen: the sampling generator (also drives RED-Drop and --reward-shuffle).
-        reward_fn: Rollout -> (N,) rewards: the verifier in training, a synthetic reward in bench.py.
-        ignore_eos, fast: passed to `generate` (bench.py samples fixed-length completions).
+        cycle: the current refresh cycle (None at the start); the returned one is the next call's.
+        draw: n -> the next n steps' (prompt_ids, prompt_mask, reward_fn), prompts (B, P) left-padded on the
+            policy's device, reward_fn: Rollout -> (N,) rewards (the verifier in training); called at refreshes.
+        ignore_eos, fast: passed to `generate` (the benchmark samples fixed-length completions).
     Raises FloatingPointError when the sampler's logits are not finite (a diverged policy).
     """
-    device, times = prompt_ids.device, {}
+    device = next(models.policy.parameters()).device
+    times = dict.fromkeys(("refresh", "sample", "score", "logprob"), 0.0)
     t = clock(device)
-    refresh = step % cfg.offpolicy_steps == 0
-    # ---- 1. refresh the sampler: alpha <- pi_theta every v steps (and pi_ref every --ref-refresh) ----
-    if models.sampler is not None and refresh:
-        models.sampler.load_state_dict(models.policy.state_dict())
+    # ---- 1. refresh pi_ref every --ref-refresh steps; alpha needs nothing: it is pi_theta at a refresh ----
     if models.ref is not None and cfg.ref_refresh and step > 0 and step % cfg.ref_refresh == 0:
         models.ref.load_state_dict(models.policy.state_dict())
-    times["refresh"], t = clock(device) - t, clock(device)
+    times["refresh"] = clock(device) - t
+    # ---- 1-3. at a refresh, sample and score the cycle's batches from alpha = pi_theta ----
+    if cycle is None or not cycle.covers(step):
+        n = min(cfg.offpolicy_steps - step % cfg.offpolicy_steps, cfg.steps - step)  # to the next refresh or the end
+        cycle = sample_cycle(cfg, models, tokenizer, step, draw(n), gen, ignore_eos=ignore_eos, fast=fast)
+        times.update(cycle.times)  # the refresh step carries the cycle's sampling, scoring and log alpha
+    sampled = cycle.batches[step - cycle.start]
+    ro, rewards, behaviour_logp = sampled.rollout, sampled.rewards, sampled.alpha_logp
+    t = clock(device)
 
-    # ---- 2. sample G completions of each prompt from alpha ----
-    models.policy.eval()
-    with autocast(cfg, device):
-        ro = generate(
-            models.sampler or models.policy,
-            prompt_ids,
-            prompt_mask,
-            group_size=cfg.group_size,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            generator=gen,
-            ignore_eos=ignore_eos,
-            fast=fast,
-        )
-    times["sample"], t = clock(device) - t, clock(device)
-
-    # ---- 3. reward, 4. group-relative advantages (zero-std groups leave the loss) ----
-    rewards = reward_fn(ro)  # (N,)
+    # ---- 4. group-relative advantages within the step's own groups (zero-std groups leave the loss) ----
     adv, valid = compute_advantages(cfg, rewards, gen)  # (N,) each
     batch = Batch(
         ro.input_ids,
@@ -277,28 +349,25 @@ def grpo_step(
         loss_mask=ro.completion_mask * valid.unsqueeze(1),
         advantages=adv,
     )  # loss_mask (N, T)
-    times["score"], t = clock(device) - t, clock(device)
+    times["score"], t = times["score"] + clock(device) - t, clock(device)
 
-    # ---- 5. log-probs without grad: alpha on stale steps (at refresh steps alpha = pi_k), pi_ref with KL ----
+    # ---- 5. log pi_ref without grad, with a KL term ----
     with torch.no_grad(), autocast(cfg, device):
-        behaviour_logp = (
-            None
-            if refresh
-            else token_logprobs(models.sampler, ro.input_ids, ro.attention_mask, ro.completion_mask, cfg.temperature)
-        )  # (N, T)
         ref_logp = (
             None
             if models.ref is None
             else token_logprobs(models.ref, ro.input_ids, ro.attention_mask, ro.completion_mask, cfg.temperature)
         )  # (N, T)
-    times["logprob"], t = clock(device) - t, clock(device)
+    times["logprob"], t = times["logprob"] + clock(device) - t, clock(device)
 
     # ---- 6. update: --inner-steps optimizer steps on the clipped surrogate ----
     if batch.loss_mask.sum() > 0:
         stats, pi_k_logp = update(cfg, models.policy, models.opt, batch, behaviour_logp, ref_logp)
-        alpha_logp = pi_k_logp if behaviour_logp is None else behaviour_logp
+        # log alpha of a full forward: pi_k's at the refresh step, the recomputed one after it.
+        first = step == cycle.start
+        alpha_logp = pi_k_logp if first else behaviour_logp if cfg.alpha_logp == "recompute" else None
     else:
         # Every group had equal rewards: nothing to learn from, no optimizer step.
         stats, alpha_logp = {"nonfinite_updates": 0, "skipped_no_signal": 1}, None
     times["update"] = clock(device) - t
-    return StepResult(ro, rewards, batch, alpha_logp, stats, times)
+    return StepResult(ro, rewards, batch, alpha_logp, stats, times), cycle

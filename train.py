@@ -33,7 +33,7 @@ from decoding import sampling_path
 from reward import math_reward
 from rollout import Rollout, generate
 from run_io import RunWriter, current_memory_gb, load_policy, peak_memory_gb
-from step import Models, StepResult, grpo_step, make_models
+from step import Cycle, Models, StepResult, grpo_step, make_models
 from tasks import Problem, TaskError, encode_prompts, fit_context, load_task
 
 
@@ -123,12 +123,15 @@ def setup(cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: lis
     return models, tokenizer, train_set, heldout
 
 
-def checkpoint_state(models: Models, gen, stream: PromptStream, step: int, acc_start: float, wall: float) -> dict:
+def checkpoint_state(
+    models: Models, gen, stream: PromptStream, cycle: Cycle | None, step: int, acc_start: float, wall: float
+) -> dict:
     """Everything the next step reads, so that a resumed run continues bit for bit.
 
-    alpha is saved too: between refreshes it is a policy from up to v - 1 steps ago, which the current
-    weights cannot reproduce. The sampling generator's state and the data position make the next
-    step's samples those of the uninterrupted run.
+    The unfinished refresh cycle is saved too: its batches were drawn from alpha, a policy up to v - 1 steps
+    old that the current weights cannot reproduce (with their rewards and log alpha). The sampling
+    generator's state and the data position (already past the cycle's prompts) make the next cycle's
+    samples those of the uninterrupted run.
     """
     state = {
         "policy": models.policy.state_dict(),
@@ -139,15 +142,16 @@ def checkpoint_state(models: Models, gen, stream: PromptStream, step: int, acc_s
         "eval_accuracy_start": acc_start,
         "wall_s": wall,
     }
-    if models.sampler is not None:
-        state["sampler"] = models.sampler.state_dict()
+    if cycle is not None and cycle.covers(step):
+        state["cycle"] = cycle.state()
     if models.ref is not None:
         state["ref"] = models.ref.state_dict()
     return state
 
 
-def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunWriter) -> tuple[int, float, float]:
-    """Load the newest complete checkpoint into the models; returns (step, start accuracy, wall seconds)."""
+def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunWriter):
+    """Load the newest complete checkpoint into the models; returns (step, start accuracy, wall seconds, the
+    unfinished refresh cycle or None)."""
     # "Complete" means renamed into place after an fsync: a checkpoint cut short by a crash is never picked.
     path = latest_checkpoint(cfg.out)
     if path is None:
@@ -155,8 +159,7 @@ def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunW
     # torch.load with weights_only=True: a checkpoint is data, never code.
     ck = load_checkpoint(path)
     models.policy.load_state_dict(ck["policy"])
-    if models.sampler is not None:
-        models.sampler.load_state_dict(ck["sampler"])
+    cycle = Cycle.from_state(ck["cycle"], cfg.device) if "cycle" in ck else None
     if models.ref is not None:
         models.ref.load_state_dict(ck["ref"])
     models.opt.load_state_dict(ck["optimizer"])
@@ -165,7 +168,7 @@ def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunW
     # Steps after the checkpoint were logged by the run that died; they will be logged again.
     writer.truncate_metrics(ck["step"])
     writer.log(f"resumed from {path} at step {ck['step']}")
-    return ck["step"], ck["eval_accuracy_start"], ck["wall_s"]
+    return ck["step"], ck["eval_accuracy_start"], ck["wall_s"], cycle
 
 
 def metrics_row(step: int, res: StepResult, group_size: int, wall_s: float, step_s: float, device) -> dict:
@@ -175,13 +178,15 @@ def metrics_row(step: int, res: StepResult, group_size: int, wall_s: float, step
     groups = rewards.view(-1, group_size)  # (B, G)
     cm = ro.completion_mask.float()  # (N, T)
     n_tok = cm.sum().item()
-    mismatch = 0.0
+    mismatch = {}
     # The sampler's own log-probs (KV cache, maybe the static-cache path) against a full forward of the same
     # model: they should agree to rounding; a large value means sampling and training see different models.
+    # Known where a full forward of alpha ran: every step with --alpha-logp recompute, the refresh step with
+    # sampler (whose stale steps use the sampler's own log-probs and have nothing to compare them with).
     if res.alpha_logp is not None:
         # |log alpha while sampling - log alpha of a full forward| over the loss's tokens.
         gap = (ro.sampler_logp - res.alpha_logp).abs() * loss_mask  # (N, T)
-        mismatch = gap.sum().item() / max(loss_mask.sum().item(), 1)
+        mismatch = {"sampler_mismatch": gap.sum().item() / max(loss_mask.sum().item(), 1)}
     t = res.times
     # update()'s statistics (loss, clip fractions, rho' and the sampler-mismatch figures) come as they are.
     return {
@@ -193,9 +198,9 @@ def metrics_row(step: int, res: StepResult, group_size: int, wall_s: float, step
         "completion_len": cm.sum(1).mean().item(),
         "truncated_frac": ro.truncated.float().mean().item(),
         "entropy": (ro.entropy * cm).sum().item() / max(n_tok, 1),
-        "sampler_mismatch": mismatch,
+        **mismatch,
         **res.stats,
-        "t_sample": t["refresh"] + t["sample"],
+        "t_sample": t["refresh"] + t["sample"],  # a cycle's sampling is billed to its refresh step
         "t_score": t["score"],
         "t_logprob": t["logprob"],
         "t_update": t["update"],
@@ -229,14 +234,21 @@ def train(cfg: Config) -> dict:
     writer = RunWriter(cfg)
     models, tokenizer, train_set, heldout = setup(cfg, writer, train_set, heldout)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)  # the sampling generator
-    sampler_kind = f"a copy refreshed every {cfg.offpolicy_steps} steps" if models.sampler else "the live policy (v=1)"
-    writer.log(f"sampling path: {sampling_path(models.sampler or models.policy)}; sampler: {sampler_kind}")
+    v = cfg.offpolicy_steps
+    sampler = f"every {v} steps, the next {v} batches at once (log alpha: {cfg.alpha_logp})" if v > 1 else "every step"
+    writer.log(f"sampling path: {sampling_path(models.policy)}; the policy samples {sampler}")
     stream = PromptStream(train_set, cfg.seed)
+
+    def draw(n: int) -> list:
+        """The next n steps' prompts, in stream order, each with its verifier (a refresh samples them all)."""
+        batches = [stream.next(cfg.prompts_per_step) for _ in range(n)]
+        return [(*encode_prompts(tokenizer, b, device), verifier(tokenizer, b, cfg.group_size)) for b in batches]
+
     # ---- resume, or evaluate the starting policy ----
     # A resumed run keeps its wall clock and its start accuracy, so its summary reads like one run's.
-    start_step, wall_before = 0, 0.0
+    start_step, wall_before, cycle = 0, 0.0, None
     if cfg.resume:
-        start_step, acc_start, wall_before = restore(cfg, models, gen, stream, writer)
+        start_step, acc_start, wall_before, cycle = restore(cfg, models, gen, stream, writer)
     t0 = time.time() - wall_before
     if not cfg.resume:
         acc_start = evaluate(models.policy, tokenizer, heldout, cfg.max_new_tokens, device)
@@ -248,11 +260,9 @@ def train(cfg: Config) -> dict:
     streak = 0  # non-finite steps in a row
     for step in bar:
         t_step = time.time()
-        problems = stream.next(cfg.prompts_per_step)
-        prompt_ids, prompt_mask = encode_prompts(tokenizer, problems, device)  # (B, P) each
-        reward_fn = verifier(tokenizer, problems, cfg.group_size)
         try:
-            res = grpo_step(cfg, models, tokenizer, prompt_ids, prompt_mask, step, gen, reward_fn)
+            # A refresh step samples its cycle's batches (draw) at once; the others take theirs from it.
+            res, cycle = grpo_step(cfg, models, tokenizer, step, gen, cycle, draw)
         except FloatingPointError:
             # The sampler's logits are not finite: a diverged policy. The step counts as non-finite.
             writer.metrics({"step": step, "wall_s": time.time() - t0, "nonfinite_updates": 1, "nonfinite_logits": 1})
@@ -269,7 +279,7 @@ def train(cfg: Config) -> dict:
         stop_if_diverged(streak, step)
         # No checkpoint during a non-finite streak: the newest one on disk stays the last good one.
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and streak == 0:
-            state = checkpoint_state(models, gen, stream, step + 1, acc_start, time.time() - t0)
+            state = checkpoint_state(models, gen, stream, cycle, step + 1, acc_start, time.time() - t0)
             save_checkpoint(cfg.out, state, step + 1, cfg.keep_checkpoints)
 
     # ---- the end: held-out accuracy, summary.json, final/ and curves.png ----

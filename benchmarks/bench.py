@@ -5,14 +5,18 @@
         --max-new-tokens 256 --beta 0.04 --device cuda --dtype bfloat16
 
 The timed step is train.py's own, `step.grpo_step`; its phases are the ones it times itself:
-    refresh  alpha <- pi_theta (load_state_dict), at refresh steps when --offpolicy-steps > 1
-    sample   rollout.generate from alpha (the path it takes is printed: plain or static-cache+cuda-graph)
-    score    the reward function (here: decode the completions to text, synthetic rewards), advantages
-    logprob  logprobs.token_logprobs without grad: alpha on stale steps, pi_ref when --beta > 0
+    refresh  pi_ref <- pi_theta with --ref-refresh (alpha needs nothing: it is pi_theta at a refresh)
+    sample   at a refresh, rollout.generate_batches of the cycle's v batches (the path is printed: plain or
+             static-cache+cuda-graph); 0 at the other steps
+    score    the reward function at a refresh (here: decode to text, synthetic rewards); advantages
+    logprob  logprobs.token_logprobs without grad: log alpha of the cycle at a refresh (--alpha-logp
+             recompute), pi_ref when --beta > 0
     update   step.update: forward, backward and the AdamW step, micro-batched
-Each phase's median over --steps timed steps (after --warmup untimed ones) is printed, then, as the
-last line, one JSON object: step_s (median seconds per step), phases, tokens_per_s (completion
-tokens per second of a step), peak_mem_gb (CUDA: peak allocated; CPU: peak resident set).
+With v > 1 the steps of a cycle differ (the refresh does the sampling), so the figure to compare is the mean
+over whole cycles: --warmup and --steps are rounded up to multiples of v, and each phase's mean is printed,
+then, as the last line, one JSON object: step_s_mean (mean seconds per step), step_s (the median), phases
+(means), tokens_per_s, peak_mem_gb (CUDA: peak allocated; CPU: peak resident set). Several values of
+--offpolicy-steps or --alpha-logp run one process each, one after the other, and end with a table.
 
 Where it departs from a training run, so that runs are comparable:
   1. Every completion runs to --max-new-tokens (no early EOS), so each step does the same work.
@@ -30,8 +34,8 @@ at v = 1 and v = 4. What is matched and what differs: integrations/trl_bench.py.
 
 import argparse
 import contextlib
+import dataclasses
 import gc
-import importlib.util
 import json
 import os
 import random
@@ -87,7 +91,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=32, help="P, tokens per prompt (random ids)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="T, tokens per completion (every one runs to T)")
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient; > 0 adds the reference model's pass")
-    p.add_argument("--offpolicy-steps", type=int, default=1, help="v, sampler refresh period (1 = on-policy)")
+    p.add_argument(
+        "--offpolicy-steps",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="v, the refresh period (1 = on-policy); several: compared",
+    )
+    p.add_argument(
+        "--alpha-logp",
+        nargs="+",
+        choices=["recompute", "sampler"],
+        default=["recompute"],
+        help="log alpha of a cycle's later batches (train.py's flag); several: compared at every v > 1",
+    )
+    p.add_argument("--sample-rows", type=int, default=512, help="most rows per generate call at a refresh")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (default N)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     p.add_argument(
@@ -97,8 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="generate's path: auto (fast on CUDA), plain (the reference loop), fast (static cache)",
     )
     # --- timing -------------------------------------------------------------------------------------
-    p.add_argument("--steps", type=int, default=5, help="timed steps (the median is reported)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (allocator, kernels, graph capture)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps, rounded up to whole refresh cycles")
+    p.add_argument(
+        "--warmup", type=int, default=1, help="untimed steps first (allocator, kernels, graph capture), whole cycles"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of prompts, rewards and sampling")
     p.add_argument("--vs-trl", action="store_true", help="also time TRL's GRPOTrainer on the same model and sizes")
     p.add_argument(
@@ -181,36 +201,75 @@ def synthetic_reward(tok, group_size: int, reward_gen: torch.Generator):
 
 
 def bench_ours(cfg: Config, args, model, tok, words) -> dict:
-    """Medians over --steps timed steps of train.py's own step, `step.grpo_step`."""
+    """Train.py's own step, `step.grpo_step`, over whole refresh cycles: --warmup and --steps are rounded up to
+    multiples of v, so `step_s_mean` (the figure to compare across v) holds every refresh's sampling once."""
     device = torch.device(cfg.device)
+    v = cfg.offpolicy_steps
+    warmup, steps = -(-args.warmup // v) * v, -(-args.steps // v) * v
+    cfg = dataclasses.replace(cfg, steps=warmup + steps)  # a cycle never samples past the last step
     models = make_models(cfg, model)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     reward_fn = synthetic_reward(tok, cfg.group_size, torch.Generator().manual_seed(cfg.seed + 1))
     fast = {"auto": None, "plain": False, "fast": True}[args.sampling]
     rng = random.Random(cfg.seed)
-    rows = []
-    for k in range(args.warmup + args.steps):
-        if k == args.warmup and device.type == "cuda":
+
+    def draw(n: int) -> list:
+        prompts = [make_prompts(tok, words, cfg.prompts_per_step, args.prompt_len, rng)[0].to(device) for _ in range(n)]
+        return [(p, torch.ones_like(p), reward_fn) for p in prompts]  # (B, P) each, no padding
+
+    rows, cycle = [], None
+    for k in range(warmup + steps):
+        if k == warmup and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        prompts, _ = make_prompts(tok, words, cfg.prompts_per_step, args.prompt_len, rng)
-        prompts = prompts.to(device)  # (B, P), no padding
         t = clock(device)
-        res = grpo_step(
-            cfg, models, tok, prompts, torch.ones_like(prompts), k, gen, reward_fn, ignore_eos=True, fast=fast
-        )
-        times = dict(res.times, step=clock(device) - t, tokens=int(res.rollout.completion_mask.sum()))
-        if k >= args.warmup:
-            rows.append(times)
+        res, cycle = grpo_step(cfg, models, tok, k, gen, cycle, draw, ignore_eos=True, fast=fast)
+        if k >= warmup:
+            rows.append(dict(res.times, step=clock(device) - t, tokens=int(res.rollout.completion_mask.sum())))
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
-    step_s = med("step")
+    mean = lambda key: statistics.fmean(r[key] for r in rows)  # noqa: E731
     return {
-        "step_s": step_s,
-        "step_s_mean": statistics.fmean(r["step"] for r in rows),
-        "phases": {p: med(p) for p in PHASES},
-        "tokens_per_s": med("tokens") / step_s,
+        "step_s": med("step"),
+        "step_s_mean": mean("step"),
+        "phases": {p: mean(p) for p in PHASES},
+        "tokens_per_s": mean("tokens") / mean("step"),
         "peak_mem_gb": peak_memory_gb(device),
-        "sampling_path": sampling_path(models.sampler or models.policy, fast),
+        "sampling_path": sampling_path(models.policy, fast),
+        "timed_steps": steps,
+        "warmup_steps": warmup,
     }
+
+
+def compare(args, argv: list[str]) -> int:
+    """Every (v, log-alpha way) of the flags, each in a process of its own (a clean peak memory), one after
+    the other, then one table: step_s_mean and its ratio to v = 1, the phases' means, peak memory."""
+    import subprocess
+
+    runs = [(1, args.alpha_logp[0])] if 1 in args.offpolicy_steps else []
+    runs += [(v, a) for v in args.offpolicy_steps if v > 1 for a in args.alpha_logp]
+    rest, skip = [], False
+    for a in argv:  # argv without the multi-valued flags and their values
+        skip = a in ("--offpolicy-steps", "--alpha-logp") or (skip and not a.startswith("--"))
+        rest += [] if skip else [a]
+    results = []
+    for v, way in runs:
+        extra = ["--offpolicy-steps", str(v), "--alpha-logp", way]
+        out = subprocess.run([sys.executable, "-m", "benchmarks.bench", *rest, *extra], cwd=ROOT, text=True,
+                             capture_output=True)  # fmt: skip
+        if out.returncode != 0:
+            print(out.stdout + out.stderr, file=sys.stderr)
+            return out.returncode
+        print("\n".join(out.stdout.strip().splitlines()[:-1]), flush=True)  # the run's own table
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    base = next((r["step_s_mean"] for r in results if r["offpolicy_steps"] == 1), None)
+    print(f"\n{'v':>3} {'log alpha':<10}{'step_s_mean':>12}{'vs v=1':>8}" + "".join(f"{p:>9}" for p in PHASES)
+          + f"{'peak GB':>9}")  # fmt: skip
+    for r in results:
+        ratio = f"{r['step_s_mean'] / base:.3f}" if base else "—"
+        phases = "".join(f"{r['phases'][p]:>9.3f}" for p in PHASES)
+        print(f"{r['offpolicy_steps']:>3} {r['alpha_logp']:<10}{r['step_s_mean']:>12.3f}{ratio:>8}{phases}"
+              f"{r['peak_mem_gb']:>9.2f}")  # fmt: skip
+    print(json.dumps({"runs": results}), flush=True)
+    return 0
 
 
 @contextlib.contextmanager
@@ -230,6 +289,9 @@ def trl_prompts(cfg: Config, args, tok, words: list[int]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if len(args.offpolicy_steps) > 1 or len(args.alpha_logp) > 1:
+        return compare(args, sys.argv[1:] if argv is None else argv)
+    args.offpolicy_steps, args.alpha_logp = args.offpolicy_steps[0], args.alpha_logp[0]
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = resolve(
@@ -240,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             offpolicy_steps=args.offpolicy_steps,
+            alpha_logp=args.alpha_logp,
+            sample_rows=args.sample_rows,
             beta=args.beta,
             micro_batch=args.micro_batch,
             seed=args.seed,
@@ -253,19 +317,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --steps must be >= 1, --warmup >= 0, --prompt-len >= 1")
     device = torch.device(cfg.device)
     use_trl = args.vs_trl or args.trl_subclass
-    if use_trl and importlib.util.find_spec("trl") is not None:
-        try:
-            import trl  # noqa: F401
-        except ImportError:
-            use_trl = False
-    elif use_trl:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        if use_trl:
+            what = "--trl-subclass has nothing to time" if args.trl_subclass else "timing our loop only"
+            print(f"TRL is not installed (pip install trl, or the project's [trl] extra): {what}", flush=True)
+            if args.trl_subclass:
+                return 2
         use_trl = False
-    if (args.vs_trl or args.trl_subclass) and not use_trl:
-        print("TRL is not installed (pip install trl, or the project's [trl] extra): ", end="")
-        if args.trl_subclass:
-            print("--trl-subclass has nothing to time", file=sys.stderr)
-            return 2
-        print("timing our loop only", flush=True)
 
     model, tok, described = load_model(args.model, device, cfg.seed)
     words = prompt_words(tok)
@@ -286,16 +346,17 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"B={cfg.prompts_per_step} G={cfg.group_size} N={n}, "
         f"prompt {args.prompt_len} + {cfg.max_new_tokens} new tokens, "
-        f"beta {cfg.beta}, v={cfg.offpolicy_steps}, micro-batch {cfg.micro_batch or n}; "
-        f"median of {args.steps} steps after {args.warmup} warm-up"
+        f"beta {cfg.beta}, v={cfg.offpolicy_steps} (log alpha: {cfg.alpha_logp}), micro-batch {cfg.micro_batch or n}; "
+        f"means over {ours['timed_steps']} steps after {ours['warmup_steps']} warm-up"
     )
-    print(f"{'phase':<10}{'median s':>10}{'share':>8}")
+    print(f"{'phase':<10}{'mean s':>10}{'share':>8}")
     for p in PHASES:
-        print(f"{p:<10}{ours['phases'][p]:>10.4f}{ours['phases'][p] / ours['step_s']:>8.1%}")
-    print(f"{'step':<10}{ours['step_s']:>10.4f}   (mean {ours['step_s_mean']:.4f})")
+        print(f"{p:<10}{ours['phases'][p]:>10.4f}{ours['phases'][p] / ours['step_s_mean']:>8.1%}")
+    print(f"{'step':<10}{ours['step_s_mean']:>10.4f}   (median {ours['step_s']:.4f})")
     print(f"tokens/s {ours['tokens_per_s']:.0f}, peak memory {ours['peak_mem_gb']:.2f} GB")
 
-    result = {k: ours[k] for k in ("step_s", "phases", "tokens_per_s", "peak_mem_gb", "sampling_path", "step_s_mean")}
+    keys = ("step_s", "phases", "tokens_per_s", "peak_mem_gb", "sampling_path", "step_s_mean", "timed_steps")
+    result = {k: ours[k] for k in keys}
     result.update(
         model=args.model,
         device=cfg.device,
@@ -306,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         max_new_tokens=cfg.max_new_tokens,
         beta=cfg.beta,
         offpolicy_steps=cfg.offpolicy_steps,
+        alpha_logp=cfg.alpha_logp,
         micro_batch=cfg.micro_batch or n,
         steps=args.steps,
     )

@@ -3,12 +3,13 @@
 #   1. tests/test_fastpath.py on CUDA: the static-cache + CUDA-graph sampler against the plain one;
 #   2. benchmarks/bench.py on the H200 configuration of docs/design.md (Qwen2.5-0.5B shape, random weights, bf16,
 #      64 prompts x 8 completions, prompt 128 + 256 new tokens, beta 0.04): v=1 with --vs-trl (TRL's
-#      GRPOTrainer in the same process), v=4, and v=1 on the plain sampler (the reference loop);
+#      GRPOTrainer in the same process), v=4 with both log-alpha ways (its refresh samples the cycle's 4
+#      batches at once), and v=1 on the plain sampler (the reference loop); steps are means over cycles;
 #   3. a short table of the results, printed last.
 # Everything is logged to ${OUT:-/tmp}/gpu_check.log, each bench's JSON to ${OUT:-/tmp}/gpu_check_*.json.
 #
-#   bash gpu_check.sh                      # on the GPU machine
-#   GPU_CHECK_TINY=1 bash gpu_check.sh     # the same steps on CPU with the tiny model and tiny sizes
+#   bash benchmarks/gpu_check.sh           # on the GPU machine, from the repository root or anywhere
+#   GPU_CHECK_TINY=1 bash benchmarks/gpu_check.sh   # the same steps on CPU, tiny model and sizes
 #   PYTHON=.venv/bin/python ...            # another interpreter (default python3)
 #
 # The GPU machine has torch and transformers but not trl/datasets: wheels in .whl/ (an ignored folder,
@@ -18,7 +19,7 @@
 # (about 60 MB: pyarrow is most of it). Without an importable trl the comparison is skipped, with a message.
 set -euo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."  # the repository root: benchmarks/ is one level down
 PY=${PYTHON:-python3}
 OUTDIR=${OUT:-/tmp}
 mkdir -p "$OUTDIR"
@@ -44,9 +45,9 @@ else
   # --micro-batch 64: 8 forward/backward chunks of 64 sequences, so activations fit with room to spare.
   SIZES=(--model qwen2.5-0.5b-random --device cuda --dtype bfloat16 --prompts 64 --group 8 --prompt-len 128
          --max-new-tokens 256 --beta 0.04 --micro-batch 64 --warmup 1)
-  # Limits per step, 440 s in all; expected about 40 + 110 + 40 + 60 s (a step of ours should take
+  # Limits per step, 500 s in all; expected about 40 + 110 + 2 x 35 + 60 s (a step of ours should take
   # about 1.5-2 s, with the plain sampler about 7 s; TRL's about 18 s, docs/design.md).
-  T_TEST=80 T_TRL=190 T_V4=80 T_PLAIN=90
+  T_TEST=80 T_TRL=190 T_V4=70 T_PLAIN=90
 fi
 
 "$PY" - <<'EOF'
@@ -77,13 +78,15 @@ step() {  # step NAME TIMEOUT COMMAND...: run it, keep going whatever happens, r
 bench() {  # bench NAME TIMEOUT ARGS...: bench.py; its last JSON line (even if cut short) saved as NAME.json
   local name=$1 limit=$2 base="$OUTDIR/gpu_check_$1"
   shift 2
-  step "$name" "$limit" bash -c 'set -o pipefail; "$0" bench.py "${@:2}" | tee "$1.out"' "$PY" "$base" "$@"
+  step "$name" "$limit" bash -c 'set -o pipefail; "$0" -m benchmarks.bench "${@:2}" | tee "$1.out"' "$PY" "$base" "$@"
   grep "^{" "$base.out" 2>/dev/null | tail -n 1 > "$base.json" || true
 }
 
 step fastpath-tests "$T_TEST" "$PY" -m pytest tests/test_fastpath.py -q -rs
-bench v1 "$T_TRL" "${SIZES[@]}" --offpolicy-steps 1 --steps 3 "${TRL[@]}"
-bench v4 "$T_V4" "${SIZES[@]}" --offpolicy-steps 4 --steps 3  # the warm-up step refreshes, 3 stale steps follow
+bench v1 "$T_TRL" "${SIZES[@]}" --offpolicy-steps 1 --steps 4 "${TRL[@]}"
+# One warm-up cycle, then one timed cycle of 4 steps: its refresh samples the 4 batches in one go.
+bench v4 "$T_V4" "${SIZES[@]}" --offpolicy-steps 4 --steps 4
+bench v4-sampler "$T_V4" "${SIZES[@]}" --offpolicy-steps 4 --steps 4 --alpha-logp sampler
 bench v1-plain-sampling "$T_PLAIN" "${SIZES[@]}" --offpolicy-steps 1 --steps 2 --sampling plain
 
 echo
@@ -93,7 +96,7 @@ printf '%s\n' "${STATUS[@]}"
 import json, sys
 from pathlib import Path
 print(f"{'run':<19}{'step s':>8}{'sample':>8}{'logprob':>8}{'update':>8}{'tok/s':>8}{'peak GB':>8}{'TRL s':>8}{'ours/TRL':>9}  path")
-for name in ("v1", "v4", "v1-plain-sampling"):
+for name in ("v1", "v4", "v4-sampler", "v1-plain-sampling"):
     path = Path(sys.argv[1]) / f"gpu_check_{name}.json"
     try:
         r = json.loads(path.read_text())
@@ -102,6 +105,6 @@ for name in ("v1", "v4", "v1-plain-sampling"):
         continue
     ph = r["phases"]
     trl = f"{r['trl_step_s']:>8.2f}{r['ratio_vs_trl']:>9.3f}" if "trl_step_s" in r else f"{'-':>8}{'-':>9}"
-    print(f"{name:<19}{r['step_s']:>8.3f}{ph['sample']:>8.3f}{ph['logprob']:>8.3f}{ph['update']:>8.3f}"
+    print(f"{name:<19}{r['step_s_mean']:>8.3f}{ph['sample']:>8.3f}{ph['logprob']:>8.3f}{ph['update']:>8.3f}"
           f"{r['tokens_per_s']:>8.0f}{r['peak_mem_gb']:>8.1f}{trl}  {r['sampling_path']}")
 EOF

@@ -153,5 +153,5 @@ def test_every_cited_document_and_readme_section_exists():
             assert (ROOT / "docs" / doc).is_file(), f"{path.name} cites {doc}"
         for doc in re.findall(r"\b(?:docs|results)/[\w-]+\.md", text):
             assert (ROOT / doc).is_file(), f"{path.name} cites {doc}"
-        for section in re.findall(r'README, "([^"]+)"', text):
+        for section in re.findall("README" + r', "([^"]+)"', text):  # split: this line must not match itself
             assert section in headings, f"{path.name} cites the README section {section!r}"

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import logprobs
 from logprobs import position_ids_from_mask, token_logprobs
-from rollout import generate
+from rollout import cat_rollouts, generate, generate_batches, rollout_rows
 from tasks import Problem, encode_prompts
 
 # Trains or decodes a model: CI runs these again under ATEN_CPU_CAPABILITY=default (plain kernels).
@@ -175,3 +175,50 @@ def test_selected_logprob_function_gradcheck(bias):
     y = torch.tensor([0, 3, 6, 2, 2])
     f = lambda h, w, b: logprobs.SelectedLogProb.apply(h, w, b, y, 0.8, 2).double()
     assert torch.autograd.gradcheck(f, (h, w, b))
+
+
+def test_generate_batches_splits_one_sampling_into_the_batches_each_step_would_have_sampled(model, tok):
+    # Three steps' batches of different prompt widths, sampled in calls of at most 8 rows (2 prompts x G 4):
+    # each step's rollout holds its own rows, trimmed of the padding no row of it needs, and its tokens and
+    # sampler log-probs are those of the one sampling, row for row.
+    steps = [["1+2=", "33-4="], ["5*6=", "7+80="], ["12+34=", "9-9="]]
+    prompts = [encode_prompts(tok, [Problem(q, "0") for q in qs], "cpu") for qs in steps]
+    kw = dict(group_size=4, max_new_tokens=6, temperature=1.0, eos_token_id=tok.eos_token_id)
+    out = generate_batches(
+        model, prompts, max_rows=8, pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(0), **kw
+    )
+    # The same calls by hand: one generate per 2 prompts, in order, with one generator.
+    gen = torch.Generator().manual_seed(0)
+    width = max(ids.shape[1] for ids, _ in prompts)
+    for (ids, mask), ro in zip(prompts, out):
+        ids = torch.nn.functional.pad(ids, (width - ids.shape[1], 0), value=tok.pad_token_id)
+        mask = torch.nn.functional.pad(mask, (width - mask.shape[1], 0), value=0)
+        ref = generate(model, ids, mask, pad_token_id=tok.pad_token_id, generator=gen, **kw)
+        keep = ref.prompt_mask.any(0)  # (P,) the prompt columns in use
+        assert torch.equal(ro.prompt_ids, ref.prompt_ids[:, keep]) and torch.equal(
+            ro.prompt_mask, ref.prompt_mask[:, keep]
+        )
+        t = ro.completion_ids.shape[1]
+        assert t == int(ref.completion_mask.sum(1).max())  # no all-padding completion column
+        assert torch.equal(ro.completion_ids, ref.completion_ids[:, :t]) and torch.equal(ro.truncated, ref.truncated)
+        assert torch.equal(ro.sampler_logp, ref.sampler_logp[:, :t])
+        # The trimmed batch is what the update reads: its log-probs equal the sampler's (one network).
+        lp = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)
+        assert torch.allclose(lp, ro.sampler_logp, atol=1e-5)
+
+
+def test_cat_then_rows_gives_back_each_part_exactly(model, tok):
+    kw = dict(group_size=2, max_new_tokens=5, temperature=1.0, eos_token_id=tok.eos_token_id, pad_token_id=0)
+    parts = [
+        generate(
+            model,
+            *encode_prompts(tok, [Problem(q, "0") for q in qs], "cpu"),
+            generator=torch.Generator().manual_seed(s),
+            **kw,
+        )
+        for s, qs in enumerate([["1+2="], ["12*12=", "5-5="]])
+    ]
+    whole = cat_rollouts(parts, pad_token_id=0)
+    for part, rows in zip(parts, (slice(0, 2), slice(2, 6))):
+        back = rollout_rows(whole, rows)
+        assert all(torch.equal(getattr(back, f), getattr(part, f)) for f in vars(part))

@@ -15,7 +15,7 @@ from config import Config, resolve
 from conftest import ROOT, TEST_WARMUP, shared_data
 from logprobs import token_logprobs
 from rollout import generate
-from tasks import Problem, encode_prompts
+from tasks import Problem, encode_prompts, load_task
 
 # Trains or decodes a model: CI runs these again under ATEN_CPU_CAPABILITY=default (plain kernels).
 pytestmark = pytest.mark.model
@@ -152,58 +152,63 @@ def test_pi_k_is_recorded_from_the_first_inner_epoch(model, tok):
     assert not torch.allclose(after, expected, atol=1e-3)  # and the weights did move
 
 
-@pytest.mark.parametrize("v", [1, 3])
-def test_sampler_refreshes_exactly_every_v_steps(warm_cache, tmp_path, monkeypatch, v):
-    seen = []  # (sampler weights, policy weights) at each training sample call
-    real_generate = step.generate
-    holder = {}
+def small_cfg(warm_cache, tmp_path, **kw):
+    base = dict(steps=7, prompts_per_step=4, group_size=4, lr=1e-3, eval_size=8, eval_every=0, progress=False,
+                warmup_steps=TEST_WARMUP, cache_dir=warm_cache, out=str(tmp_path))  # fmt: skip
+    return resolve(Config(**{**base, **kw}))
 
-    def spy(model, *a, **kw):
-        if kw["temperature"] > 0:  # training samples; evaluation is greedy
-            flat = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()]).clone()
-            seen.append((model is holder.get("policy"), flat(model), flat(holder["policy"])))
-        return real_generate(model, *a, **kw)
 
-    real_load = train.load_policy
+@pytest.mark.parametrize("v,alpha_logp", [(1, "recompute"), (3, "recompute"), (3, "sampler")])
+def test_a_refresh_samples_its_whole_cycle_from_the_live_policy(warm_cache, tmp_path, monkeypatch, tok, v, alpha_logp):
+    """Every v steps the live policy (no copy of it exists) samples the next v steps' batches in one call, of
+    the prompts those steps would have drawn; a later batch's log alpha is that policy's (recompute) or the
+    sampler's own (sampler), and the update of step k + j sees exactly that batch."""
+    calls, updates, holder = [], [], {}
+    real_generate, real_update, real_load = step.generate_batches, step.update, train.load_policy
+    flat = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()]).clone()  # noqa: E731
+
+    def generate_spy(model, prompts, **kw):
+        out = real_generate(model, prompts, **kw)
+        calls.append((model is holder["policy"], flat(model), [p for p, _ in prompts], out))
+        return out
+
+    def update_spy(cfg, policy, opt, batch, behaviour_logp, ref_logp):
+        updates.append((batch.input_ids.clone(), behaviour_logp))
+        return real_update(cfg, policy, opt, batch, behaviour_logp, ref_logp)
 
     def load_spy(*a, **kw):
-        m, t = real_load(*a, **kw)
-        holder["policy"] = m
-        return m, t
+        holder["policy"], t = real_load(*a, **kw)
+        return holder["policy"], t
 
-    monkeypatch.setattr(step, "generate", spy)
+    monkeypatch.setattr(step, "generate_batches", generate_spy)
+    monkeypatch.setattr(step, "update", update_spy)
     coin = random.Random(0)
     monkeypatch.setattr(train, "math_reward", lambda c, g: float(coin.random() < 0.5))  # every step has signal
     monkeypatch.setattr(train, "load_policy", load_spy)
-    cfg = resolve(
-        Config(
-            steps=7,
-            offpolicy_steps=v,
-            prompts_per_step=4,
-            group_size=4,
-            lr=1e-3,
-            eval_size=8,
-            eval_every=0,
-            warmup_steps=TEST_WARMUP,
-            cache_dir=warm_cache,
-            out=str(tmp_path),
-            progress=False,
-        )
-    )
-    train.train(cfg)
-    assert len(seen) == 7
-    for k, (is_live, sampler_w, policy_w) in enumerate(seen):
-        if v == 1:
-            assert is_live  # no copy: the live model samples
-            continue
-        assert not is_live
-        if k % v == 0:
-            assert torch.equal(sampler_w, policy_w)  # refreshed: alpha == pi_theta
-        else:
-            assert torch.equal(sampler_w, seen[k - 1][1])  # frozen between refreshes
-            assert not torch.equal(sampler_w, policy_w)  # while the policy moved on
+    train.train(small_cfg(warm_cache, tmp_path, offpolicy_steps=v, alpha_logp=alpha_logp))
+    assert len(calls) == -(-7 // v) and len(updates) == 7  # one sampling call per cycle, an update per step
+    assert all(live for live, *_ in calls) and step.Models.__dataclass_fields__.keys() == {"policy", "opt", "ref"}
+    assert all(len(prompts) == min(v, 7 - v * c) for c, (_, _, prompts, _) in enumerate(calls))
     if v > 1:
-        assert not torch.equal(seen[v][1], seen[0][1])  # and the refresh did change it
+        assert not torch.equal(calls[1][1], calls[0][1])  # the second cycle's alpha is the moved policy
+    # The prompts, cycle by cycle, are those a v = 1 run draws step by step (the stream's order).
+    stream = train.PromptStream(load_task("arithmetic")[0], 0)
+    drawn = [encode_prompts(tok, stream.next(4), "cpu")[0] for _ in range(7)]
+    sampled = [p for *_, prompts, _ in calls for p in prompts]
+    assert len(sampled) == 7 and all(torch.equal(a, b) for a, b in zip(sampled, drawn))
+    for k, (ids, behaviour) in enumerate(updates):
+        ro = calls[k // v][3][k % v]
+        assert torch.equal(ids, ro.input_ids)  # step k trains on its own batch of the cycle
+        if k % v == 0 and alpha_logp == "recompute":
+            assert behaviour is None  # alpha = pi_k: the update's first epoch gives it
+        elif alpha_logp == "sampler":
+            assert torch.equal(behaviour, ro.sampler_logp)
+        else:
+            with torch.no_grad():  # the policy at the refresh: the weights that sampled this cycle
+                policy = train.load_policy(small_cfg(warm_cache, tmp_path))[0]
+                torch.nn.utils.vector_to_parameters(calls[k // v][1], policy.parameters())
+                expected = token_logprobs(policy.eval(), ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)
+            assert torch.equal(behaviour, expected)
 
 
 def run_cli(*args, timeout=600):
