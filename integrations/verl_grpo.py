@@ -123,9 +123,8 @@ def offpolicy_grpo_loss(
 ):
     """[A]'s clipped off-policy surrogate (objective.surrogate_per_token, clip_center="current"), as a verl loss.
 
-        loss = agg_t [ - min(rho_t * A, clip(rho_t, lo_t, hi_t) * A) ]
-        rho_t = pi_theta / alpha = exp(log_prob - old_log_prob) * rho'_t      (with grad)
-        [lo_t, hi_t] = [max(rho'_t - eps_low, 0), rho'_t + eps_high]           ([A]'s f_eps, centred at rho')
+        loss = agg_t [ - o_t ],  o_t: [A]'s surrogate as objective.policy_loss's docstring states it, with
+        rho_t = pi_theta / alpha = exp(log_prob - old_log_prob) * rho'_t (with grad), rho'_t = rollout_is_weights
 
     The clip is centred at the ratio of the policy at the start of the step, rho' = pi_k / alpha, so a stale
     sampler does not clip tokens just for being stale. With rollout_is_weights=None (rho' = 1) this is PPO's

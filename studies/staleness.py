@@ -6,7 +6,7 @@
 The sampler alpha is refreshed from the policy every v steps (--offpolicy-steps), so at step k the data
 come from a policy up to v-1 updates old. Five ways to correct for that, all at lr 1e-4 (the rate at which
 the on/off-policy sweep saw staleness cost accuracy):
-  current         [A]: min(rho A, clip(rho, rho' - eps, rho' + eps) A), the interval centred at rho' = pi_k/alpha.
+  current         [A]'s surrogate (objective.policy_loss), its interval centred at rho' = pi_k/alpha.
                   With one inner step the gradient is taken at rho = rho', so the clip never acts: v > 1 is
                   rho'-weighted REINFORCE.
   behaviour       PPO / TRL: the same surrogate with the interval centred at 1.

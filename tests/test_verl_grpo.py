@@ -251,7 +251,7 @@ def test_opmd_default_tau_is_objective_default():
 
 
 def loop_loss(name, log_prob, old, weights, adv, mask, mode, eps_low=0.2, eps_high=0.28, tau=0.3):
-    """The four losses token by token in plain Python floats, from policy_loss's (and reinforce.py's) formulas on verl's tensors.
+    """The four losses token by token in plain Python floats, from policy_loss's and reinforce.py's formulas.
 
     Returns the loss and d loss / d log_prob (each token's term depends on its own log-prob only).
     """
