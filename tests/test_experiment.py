@@ -250,3 +250,22 @@ def test_model_and_task_pass_through_to_every_run(tmp_path):
     # Without the flags the runs keep Config's defaults (the built-in policy and task).
     cfg = experiment.run_config(experiment.settings([]), "v1", 5e-5, 0)
     assert (cfg.model, cfg.task, cfg.data_files, cfg.max_new_tokens) == ("tiny", "arithmetic", None, 8)
+
+
+def test_moved_table_pairs_runs_by_seed(tmp_path):
+    from studies.moved import moved_table
+
+    def rows(finals):
+        out = []
+        for (c, v, seed), acc in finals.items():
+            base = dict(correction=c, shared_baseline=False, offpolicy_steps=v, inner_steps=1, lr=1e-4, seed=seed)
+            out += [{**base, "step": 0, "eval_accuracy": 0.3}, {**base, "step": 10, "eval_accuracy": acc}]
+        return out
+
+    old = rows({("rec", 4, 0): 0.50, ("rec", 4, 1): 0.40, ("rec", 4, 2): 0.9, ("current", 16, 0): 0.30})
+    new = rows({("rec", 4, 0): 0.55, ("rec", 4, 1): 0.40, ("current", 16, 0): 0.20, ("current", 16, 1): 0.9})
+    lines = moved_table(old, new).splitlines()
+    # rec v=4: seeds 0 and 1 in both (seed 2 only in old): before 0.45, after 0.475, differences +0.05, 0.
+    assert lines[2] == "| rec | 4 | 1 | 0.0001 | 2 | 0.450 | 0.475 | +0.025 ± 0.035 |"
+    assert lines[3] == "| current | 16 | 1 | 0.0001 | 1 | 0.300 | 0.200 | -0.100 ± 0.000 |"
+    assert len(lines) == 4
