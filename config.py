@@ -26,7 +26,11 @@ def arg(default, help: str, choices=None):
 @dataclass
 class Config:
     # --- model and task -------------------------------------------------------------------
-    model: str = arg("tiny", "'tiny' (the built-in offline policy of tiny.py), a hub id, or a local folder")
+    model: str = arg(
+        "tiny",
+        "'tiny' (the built-in offline policy of tiny.py), a hub id, a local folder, or a GGUF file (or a folder "
+        "holding one; needs the gguf package), loaded as a float32 model",
+    )
     task: str = arg("arithmetic", "arithmetic (built-in, offline) or gsm8k", ["arithmetic", "gsm8k"])
     data_files: str | None = arg(
         None, "local JSONL with 'question'/'answer' rows for --task gsm8k (instead of the hub)"

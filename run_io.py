@@ -47,17 +47,74 @@ def current_memory_gb(device: torch.device) -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
 
 
-def load_policy(cfg: Config, log=print):
-    """The policy to train and its tokenizer: the built-in tiny one, or a transformers model.
+def gguf_file(model: str) -> Path | None:
+    """The GGUF file `--model` names: the path itself, or the one `.gguf` in a folder without a config.json.
 
-    A model that cannot be loaded (offline, wrong path, ...) is a ConfigError naming it.
+    None for anything else (tiny, a hub id, a transformers folder). A folder with several `.gguf` files and
+    no config.json is ambiguous: a ConfigError listing them.
     """
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        names = ", ".join(f.name for f in found)
+        raise ConfigError(f"--model {model}: the folder holds {len(found)} GGUF files ({names}); name one of them")
+    return found[0] if found else None
+
+
+def load_gguf(path) -> tuple[torch.nn.Module, object]:
+    """A GGUF file as an ordinary float32 transformers model and its tokenizer (chat template included).
+
+    transformers reads GGUF through the `gguf` package and dequantizes every tensor to float32, but the
+    model it returns still carries a GGUF quantization marker that makes `save_pretrained` refuse. So the
+    weights are copied into a plain model built from the same config, without the marker: it trains,
+    saves and reloads like any `from_pretrained` model. A missing `gguf` package is a one-line ConfigError.
+    """
+    try:
+        import gguf  # noqa: F401 (transformers imports it by name; checked here for a clear message)
+    except ImportError:
+        raise ConfigError(
+            f"--model {path}: reading a GGUF file needs the gguf package (pip install gguf, or the [real] extra)"
+        ) from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path).expanduser()
+    folder, name = str(path.parent), path.name
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except Exception as e:  # an unsupported architecture or a damaged file: both mean "cannot load"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"--model {path}: cannot be loaded as GGUF ({first[:200]})") from None
+    config = quantized.config
+    # The marker is what save_pretrained refuses; the weights themselves are already plain float32.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # strict: every tensor of the plain model must come from the file (tied heads share one tensor).
+    model.load_state_dict(quantized.state_dict(), strict=True)
+    model.generation_config = quantized.generation_config
+    del quantized
+    return model.eval(), tok
+
+
+def load_policy(cfg: Config, log=print):
+    """The policy to train and its tokenizer: the built-in tiny one, a GGUF file, or a transformers model.
+
+    A model that cannot be loaded (offline, wrong path, no gguf package, ...) is a ConfigError naming it.
+    """
+    gguf_path = None if cfg.model == "tiny" else gguf_file(cfg.model)
     if cfg.model == "tiny":
         from tiny import load_tiny
 
         if cfg.task != "arithmetic":
-            raise ConfigError("--model tiny only knows --task arithmetic; name a real model for gsm8k")
+            raise ConfigError(f"--model tiny only knows --task arithmetic; name a real model for --task {cfg.task}")
         model, tok = load_tiny(cfg.cache_dir, cfg.warmup_steps, log=log)
+    elif gguf_path is not None:
+        model, tok = load_gguf(gguf_path)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
