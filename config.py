@@ -31,7 +31,12 @@ class Config:
         "'tiny' (the built-in offline policy of tiny.py), a hub id, a local folder, or a GGUF file (or a folder "
         "holding one; needs the gguf package), loaded as a float32 model",
     )
-    task: str = arg("arithmetic", "arithmetic (built-in, offline) or gsm8k", ["arithmetic", "gsm8k"])
+    task: str = arg(
+        "arithmetic",
+        "arithmetic (built-in, offline), gsm8k, or wordproblems (built-in, offline: one-step word problems, "
+        "held-out phrasings disjoint from training)",
+        ["arithmetic", "gsm8k", "wordproblems"],
+    )
     data_files: str | None = arg(
         None, "local JSONL with 'question'/'answer' rows for --task gsm8k (instead of the hub)"
     )

@@ -1,4 +1,4 @@
-"""Tasks: prompts and gold answers. A built-in synthetic arithmetic task, and GSM8K.
+"""Tasks: prompts and gold answers. A built-in synthetic arithmetic task, GSM8K, and word problems.
 
 `arithmetic`: `a+b`, `a-b` with a, b in 0..99 and `a*b` with a, b in 0..12 (20,169 problems).
 The question is the bare expression, e.g. `12+34=`; the answer is a bare number, e.g. `46`,
@@ -10,6 +10,14 @@ own (`HELDOUT_SEED`), independent of the run's seed, and disjoint from the train
 local JSONL file with the same `question` / `answer` fields, checked row by row. The gold
 answer is the text after `####` with thousands commas removed. With a local file, the held-out
 problems are its first `eval_size` rows, or `--eval-files` when given.
+
+`wordproblems`: one-step arithmetic in plain English with small numbers (`Mia has 7 shells. Mia finds 5
+more shells. How many shells does Mia have now?`, gold `12`): addition, subtraction, multiplication and
+exact division, each in four phrasings. Three phrasings of each operation make the training split and
+the fourth the held-out one, so held-out questions are worded as no training question is; names,
+objects and numbers are drawn with `WORDPROBLEM_SEED`, fixed for every run like `HELDOUT_SEED`. A
+small real chat model (SmolLM2-135M-Instruct) gets some of these right where it gets bare `a-b=` wrong.
+Their instruction is INSTRUCTION without its example (`WORD_INSTRUCTION`: that model copies the example).
 
 Prompts use the tokenizer's chat template when it has one and ask for the final answer after
 `####`; the built-in tiny tokenizer has no template and sees the bare expression.
@@ -27,7 +35,7 @@ from reward import parse_number
 HELDOUT_SEED = 1234  # fixes the arithmetic held-out split for every run
 ARITHMETIC_HELDOUT = 1000  # problems reserved for evaluation
 INSTRUCTION = "Solve the problem. Put the final answer on the last line after ####, e.g. '#### 42'."
-TASKS = ("arithmetic", "gsm8k")
+TASKS = ("arithmetic", "gsm8k", "wordproblems")
 
 
 class TaskError(ValueError):
@@ -38,6 +46,7 @@ class TaskError(ValueError):
 class Problem:
     question: str
     gold: str
+    instruction: str = INSTRUCTION  # what a chat prompt asks for after the question (format_prompt)
 
 
 def arithmetic_problems() -> tuple[list[Problem], list[Problem]]:
@@ -51,6 +60,84 @@ def arithmetic_problems() -> tuple[list[Problem], list[Problem]]:
     probs += [Problem(f"{a}*{b}=", str(a * b)) for a in range(13) for b in range(13)]
     random.Random(HELDOUT_SEED).shuffle(probs)
     return probs[ARITHMETIC_HELDOUT:], probs[:ARITHMETIC_HELDOUT]
+
+
+# The word problems' phrasings: (operation, template); {a} and {b} are the operands in the order the
+# operation takes them, {n} and {m} two different names, {x} a plural object. The last phrasing of each
+# operation is held out (WORDPROBLEM_HELDOUT_TEMPLATES).
+WORD_TEMPLATES = {
+    "+": [
+        "{n} has {a} {x}. {n} gets {b} more {x}. How many {x} does {n} have now?",
+        "There are {a} {x} in a box and {b} {x} on the table. How many {x} are there altogether?",
+        "{n} picked {a} {x} in the morning and {b} {x} in the afternoon. How many {x} did {n} pick in all?",
+        "{n} owns {a} {x} and {m} owns {b} {x}. What is the total number of {x} the two of them own?",
+    ],
+    "-": [
+        "{n} had {a} {x} and gave {b} of them away. How many {x} does {n} have left?",
+        "There were {a} {x} on a shelf. Then {b} {x} were taken. How many {x} are still on the shelf?",
+        "{n} has {a} {x}. {m} has {b} fewer {x} than {n}. How many {x} does {m} have?",
+        "{n} bought {a} {x} and lost {b} of them on the way home. How many {x} does {n} still have?",
+    ],
+    "*": [
+        "There are {a} bags with {b} {x} in each bag. How many {x} are there in total?",
+        "{n} buys {a} packs of {x}. Each pack holds {b} {x}. How many {x} does {n} buy?",
+        "A shelf has {a} rows of {x} with {b} {x} in every row. How many {x} are on the shelf?",
+        "For {a} days in a row, {n} collects {b} {x} each day. How many {x} does {n} collect over those days?",
+    ],
+    "/": [
+        "{n} shares {a} {x} equally among {b} friends. How many {x} does each friend get?",
+        "{a} {x} are packed into boxes of {b}. How many boxes are filled?",
+        "{n} has {a} {x} and puts them into {b} equal piles. How many {x} are in each pile?",
+        "A teacher splits {a} {x} evenly between {b} groups. How many {x} does each group receive?",
+    ],
+}
+WORD_NAMES = ("Tom", "Anna", "Sam", "Mia", "Leo", "Emma", "Ben", "Lily", "Max", "Zoe", "Omar", "Nina")
+WORD_OBJECTS = ("apples", "pencils", "stickers", "marbles", "cookies", "books", "cards", "stamps", "shells", "balloons")
+# INSTRUCTION without its example: SmolLM2-135M copies "#### 42" verbatim (then no sample is credited, so GRPO has
+# no signal); without the example a few percent of its samples are.
+WORD_INSTRUCTION = "Solve the problem. Put the final answer on the last line after ####."
+WORDPROBLEM_SEED = 4321  # fixes names, objects and numbers of every word problem, for every run
+WORDPROBLEM_TRAIN, WORDPROBLEM_HELDOUT = 20_000, 1000  # problems drawn for each split
+
+
+def word_operands(op: str, rng: random.Random) -> tuple[int, int, int]:
+    """(a, b, answer) with small numbers: sums and differences within 30, products and quotients of 2..10."""
+    if op == "+":
+        a, b = rng.randint(2, 20), rng.randint(2, 20)
+        return a, b, a + b
+    if op == "-":
+        a = rng.randint(5, 30)
+        b = rng.randint(1, a - 1)
+        return a, b, a - b
+    if op == "*":
+        a, b = rng.randint(2, 10), rng.randint(2, 10)
+        return a, b, a * b
+    b, q = rng.randint(2, 10), rng.randint(2, 10)  # exact division: a = b * q
+    return b * q, b, q
+
+
+def word_problems(heldout: bool, count: int, seed: int) -> list[Problem]:
+    """`count` different word problems from the training phrasings (the first three of each operation) or the
+    held-out ones (the last), in a fixed order given by `seed`."""
+    rng = random.Random(seed)
+    templates = [(op, t) for op, ts in WORD_TEMPLATES.items() for t in (ts[-1:] if heldout else ts[:-1])]
+    probs, seen = [], set()
+    # Each phrasing has at least 810 different questions (81 operand pairs x 10 objects): repeats are redrawn.
+    while len(probs) < count:
+        op, template = rng.choice(templates)
+        a, b, answer = word_operands(op, rng)
+        n, m = rng.sample(WORD_NAMES, 2)
+        question = template.format(a=a, b=b, n=n, m=m, x=rng.choice(WORD_OBJECTS))
+        if question not in seen:
+            seen.add(question)
+            probs.append(Problem(question, str(answer), WORD_INSTRUCTION))
+    return probs
+
+
+def wordproblem_problems() -> tuple[list[Problem], list[Problem]]:
+    """(train, held-out) word problems: disjoint phrasings, both fixed by WORDPROBLEM_SEED."""
+    train = word_problems(heldout=False, count=WORDPROBLEM_TRAIN, seed=WORDPROBLEM_SEED)
+    return train, word_problems(heldout=True, count=WORDPROBLEM_HELDOUT, seed=WORDPROBLEM_SEED + 1)
 
 
 def gold_from_solution(answer: str) -> str | None:
@@ -110,6 +197,8 @@ def load_task(
     """(train, held-out) problems for `task`; held-out is at most `eval_size` problems."""
     if task == "arithmetic":
         train, heldout = arithmetic_problems()
+    elif task == "wordproblems":
+        train, heldout = wordproblem_problems()
     elif task == "gsm8k":
         if data_files:
             train = read_jsonl(data_files)
@@ -128,17 +217,17 @@ def load_task(
     return train, heldout[:eval_size]
 
 
-def format_prompt(tokenizer, question: str) -> str:
+def format_prompt(tokenizer, question: str, instruction: str = INSTRUCTION) -> str:
     """The prompt text: the chat template with an instruction when the tokenizer has one."""
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": f"{question}\n{INSTRUCTION}"}]
+        messages = [{"role": "user", "content": f"{question}\n{instruction}"}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return question
 
 
 def encode_prompts(tokenizer, problems: list[Problem], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompt ids and mask, (B, P), on `device`."""
-    texts = [format_prompt(tokenizer, p.question) for p in problems]
+    texts = [format_prompt(tokenizer, p.question, p.instruction) for p in problems]
     old_side = tokenizer.padding_side
     tokenizer.padding_side = "left"  # every prompt ends at the same column
     batch = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
@@ -151,7 +240,7 @@ def fit_context(tokenizer, problems: list[Problem], max_prompt_tokens: int, what
 
     An error if none is left: a run that cannot sample anything must not start.
     """
-    texts = [format_prompt(tokenizer, p.question) for p in problems]
+    texts = [format_prompt(tokenizer, p.question, p.instruction) for p in problems]
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     kept = [p for p, n in zip(problems, lengths) if n <= max_prompt_tokens]
     if not kept:
