@@ -45,10 +45,11 @@ import tempfile
 
 import torch
 
-from config import Config, resolve, validate
+from benchmarks.compare import compare
+from config import Config, ConfigError, resolve, validate
 from decoding import sampling_path
 from integrations.trl_bench import subclass_step_times, trl_step_times
-from run_io import peak_memory_gb
+from run_io import gguf_file, load_gguf, peak_memory_gb
 from step import clock, grpo_step, make_models
 
 PRESETS = {  # random-weight models with a real model's shape
@@ -76,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     # --- model and device ---------------------------------------------------------------------
-    p.add_argument("--model", default="tiny", help=f"tiny (random weights), {', '.join(PRESETS)}, a folder or a hub id")
+    p.add_argument(
+        "--model", default="tiny", help=f"tiny (random weights), {', '.join(PRESETS)}, a folder, GGUF or hub id"
+    )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
     p.add_argument(
         "--dtype",
@@ -159,6 +162,9 @@ def load_model(name: str, device: torch.device, seed: int):
         with torch.device(device):  # initialise on the device: 0.5B parameters are slow to fill on a CPU
             model = Qwen2ForCausalLM(cfg)
         return model, tok, f"{name} (random weights, {tok_name})"
+    if (gguf := gguf_file(name)) is not None:  # a GGUF file (or a folder holding one), dequantized
+        model, tok = load_gguf(gguf)
+        return model.to(device), tok, f"{gguf.name} (GGUF, dequantized to float32)"
     tok = AutoTokenizer.from_pretrained(name)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # as run_io.load_policy: padding is masked explicitly
@@ -239,39 +245,6 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
     }
 
 
-def compare(args, argv: list[str]) -> int:
-    """Every (v, log-alpha way) of the flags, each in a process of its own (a clean peak memory), one after
-    the other, then one table: step_s_mean and its ratio to v = 1, the phases' means, peak memory."""
-    import subprocess
-
-    runs = [(1, args.alpha_logp[0])] if 1 in args.offpolicy_steps else []
-    runs += [(v, a) for v in args.offpolicy_steps if v > 1 for a in args.alpha_logp]
-    rest, skip = [], False
-    for a in argv:  # argv without the multi-valued flags and their values
-        skip = a in ("--offpolicy-steps", "--alpha-logp") or (skip and not a.startswith("--"))
-        rest += [] if skip else [a]
-    results = []
-    for v, way in runs:
-        extra = ["--offpolicy-steps", str(v), "--alpha-logp", way]
-        out = subprocess.run([sys.executable, "-m", "benchmarks.bench", *rest, *extra], cwd=ROOT, text=True,
-                             capture_output=True)  # fmt: skip
-        if out.returncode != 0:
-            print(out.stdout + out.stderr, file=sys.stderr)
-            return out.returncode
-        print("\n".join(out.stdout.strip().splitlines()[:-1]), flush=True)  # the run's own table
-        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    base = next((r["step_s_mean"] for r in results if r["offpolicy_steps"] == 1), None)
-    print(f"\n{'v':>3} {'log alpha':<10}{'step_s_mean':>12}{'vs v=1':>8}" + "".join(f"{p:>9}" for p in PHASES)
-          + f"{'peak GB':>9}")  # fmt: skip
-    for r in results:
-        ratio = f"{r['step_s_mean'] / base:.3f}" if base else "—"
-        phases = "".join(f"{r['phases'][p]:>9.3f}" for p in PHASES)
-        print(f"{r['offpolicy_steps']:>3} {r['alpha_logp']:<10}{r['step_s_mean']:>12.3f}{ratio:>8}{phases}"
-              f"{r['peak_mem_gb']:>9.2f}")  # fmt: skip
-    print(json.dumps({"runs": results}), flush=True)
-    return 0
-
-
 @contextlib.contextmanager
 def saved(model, tok):
     """The model and tokenizer saved into a temporary folder (removed afterwards): TRL loads models by path."""
@@ -290,7 +263,7 @@ def trl_prompts(cfg: Config, args, tok, words: list[int]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if len(args.offpolicy_steps) > 1 or len(args.alpha_logp) > 1:
-        return compare(args, sys.argv[1:] if argv is None else argv)
+        return compare(args, sys.argv[1:] if argv is None else argv, root=ROOT, phases=PHASES)
     args.offpolicy_steps, args.alpha_logp = args.offpolicy_steps[0], args.alpha_logp[0]
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -327,7 +300,11 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         use_trl = False
 
-    model, tok, described = load_model(args.model, device, cfg.seed)
+    try:
+        model, tok, described = load_model(args.model, device, cfg.seed)
+    except ConfigError as e:  # no gguf package, an unreadable file: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     words = prompt_words(tok)
     n = cfg.prompts_per_step * cfg.group_size
     if args.trl_subclass:

@@ -13,13 +13,8 @@ A GRPO step k is one generation and `num_iterations` (i) optimizer steps, k = gl
      mask_zero_std, equal-reward groups leave the loss and its normaliser (folded into `loss_mask`);
   4. log alpha from logits / tau: a no-grad pass of the copy on stale steps (vLLM: the engine's own log-probs);
      log pi_k: TRL's old_per_token_logps when it computes one, else the first forward's logp.detach() (dev. 1);
-  5. `objective.policy_loss` (or [B]'s rec / rec-is / opmd) through TRL's optimizer, accumulation and DDP:
-
-        loss = -(1/Z) sum_{i,t valid} [ min(rho_t A_i, clip(rho_t, lo_t, hi_t) A_i) - beta kl_t ]
-        rho_t = pi_theta/alpha,  rho'_t = pi_k/alpha,  kl_t = k3(pi_theta || pi_ref)
-        [lo_t, hi_t] = [max(rho'_t - eps_low, 0), rho'_t + eps_high]  (clip_center="current", [A])
-                     = [1 - eps_low, 1 + eps_high]                     (clip_center="behaviour", PPO / stock TRL)
-
+  5. `objective.policy_loss` (its docstring states [A]'s surrogate; clip_center="behaviour" is PPO / stock TRL), or
+     [B]'s rec / rec-is / opmd, through TRL's optimizer, accumulation and DDP, with the whole step's normaliser Z.
      Z is the whole step's normaliser over every micro-batch and rank; each of the P ranks divides its sum by Z / P,
      so DDP's gradient average is exactly sum / Z, as on one device.
 Legend (TRL field -> symbol): offpolicy_steps v, epsilon eps_low, epsilon_high eps_high, beta, temperature tau,
@@ -58,7 +53,7 @@ import reinforce
 import tiny
 from advantage import group_advantages
 from reward import math_reward
-from run_io import atomic_write_text
+from run_io import atomic_write_text, gguf_file, load_gguf
 from tasks import TaskError, encode_prompts, format_prompt, load_task
 
 # TRL loss_type -> this project's aggregation (objective.py): the ones whose math is the same.
@@ -285,7 +280,9 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
 class ScriptArguments:
     """train.py's flags of the same names; the tiny policy's warm-up is renamed (TRL owns warmup_steps)."""
 
-    model: str | None = field(default=None, metadata={"help": "hub id or folder (default: the built-in tiny policy)"})
+    model: str | None = field(
+        default=None, metadata={"help": "hub id, folder or GGUF file (default: the built-in tiny policy)"}
+    )
     task: str = field(default="arithmetic", metadata={"help": "arithmetic (built-in, offline) or gsm8k"})
     data_files: str | None = field(default=None, metadata={"help": "local JSONL (question/answer) for --task gsm8k"})
     eval_files: str | None = field(default=None, metadata={"help": "local JSONL of held-out rows"})
@@ -347,6 +344,9 @@ def build(script: ScriptArguments, cfg: OffPolicyGRPOConfig):
         # rank 0 loads (or builds and caches) the tiny policy first, the others load it after
         with cfg.main_process_first():
             model, tokenizer = tiny.load_tiny(script.cache_dir, script.tiny_warmup_steps, log=lambda m: None)
+    elif (gguf := gguf_file(script.model)) is not None:
+        model, tokenizer = load_gguf(gguf)  # a float32 model built here (GRPOTrainer takes a model or a path)
+        tokenizer.padding_side = "left"
     else:
         model, tokenizer = script.model, AutoTokenizer.from_pretrained(script.model, padding_side="left")
     data = Dataset.from_dict(
