@@ -31,8 +31,8 @@ def compare(args, argv: list[str], root: str, phases: list[str]) -> int:
           + f"{'peak GB':>9}")  # fmt: skip
     for r in results:
         ratio = f"{r['step_s_mean'] / base:.3f}" if base else "—"
-        phases = "".join(f"{r['phases'][p]:>9.3f}" for p in phases)
-        print(f"{r['offpolicy_steps']:>3} {r['alpha_logp']:<10}{r['step_s_mean']:>12.3f}{ratio:>8}{phases}"
+        cells = "".join(f"{r['phases'][p]:>9.3f}" for p in phases)
+        print(f"{r['offpolicy_steps']:>3} {r['alpha_logp']:<10}{r['step_s_mean']:>12.3f}{ratio:>8}{cells}"
               f"{r['peak_mem_gb']:>9.2f}")  # fmt: skip
     print(json.dumps({"runs": results}), flush=True)
     return 0
