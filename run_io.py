@@ -50,11 +50,14 @@ def current_memory_gb(device: torch.device) -> float:
 def gguf_file(model: str) -> Path | None:
     """The GGUF file `--model` names: the path itself, or the one `.gguf` in a folder without a config.json.
 
-    None for anything else (tiny, a hub id, a transformers folder). A folder with several `.gguf` files and
-    no config.json is ambiguous: a ConfigError listing them.
+    None for anything else (tiny, a hub id, a transformers folder). A `.gguf` path that is no file, and a
+    folder with several `.gguf` files and no config.json (ambiguous), are ConfigErrors.
     """
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix.lower() == ".gguf":
+    if path.suffix.lower() == ".gguf":
+        # Checked here: a missing file would otherwise reach the hub loader as a malformed repo id.
+        if not path.is_file():
+            raise ConfigError(f"--model {model}: no such GGUF file")
         return path
     if not path.is_dir() or (path / "config.json").is_file():
         return None

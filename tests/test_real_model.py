@@ -107,6 +107,8 @@ def test_gguf_file_is_the_path_or_the_one_gguf_of_a_folder(tmp_path):
     with pytest.raises(ConfigError, match="2 GGUF files"):
         run_io.gguf_file(str(two))
     assert run_io.gguf_file("tiny") is None and run_io.gguf_file("HuggingFaceTB/SmolLM2-135M-Instruct") is None
+    with pytest.raises(ConfigError, match="no such GGUF file"):
+        run_io.gguf_file(str(tmp_path / "absent.gguf"))
 
 
 def test_without_the_gguf_package_train_py_says_so_in_one_line(tmp_path):
