@@ -177,7 +177,7 @@ def test_tis_caps_the_weight_of_the_decoupled_objective():
         loss.backward()
         torch.testing.assert_close(x.grad, -2.0 * torch.tensor([w], dtype=torch.float64) / 4)
         assert loss.item() == pytest.approx(-2.0 * sum(w) / 4)
-        assert sampler_mismatch_stats(blogp, clogp, mask, is_cap=cap)["is_capped_frac"] == (0.0 if cap else 0.5)
+        assert sampler_mismatch_stats(blogp, clogp, mask, is_cap=cap)["is_capped_frac"] == (0.0 if cap is None else 0.5)
     # With MIS as well, a dropped token counts as dropped, not capped: rho' = 8 leaves, rho' = 3 is capped.
     stats = sampler_mismatch_stats(blogp, clogp, mask, is_cap=2.0, is_mask=4.0)
     assert stats["is_capped_frac"] == 0.25 and stats["is_masked_frac"] == 0.25
