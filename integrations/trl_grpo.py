@@ -91,13 +91,7 @@ class OffPolicyGRPOConfig(GRPOConfig):
             (self.offpolicy_steps >= 1, "offpolicy_steps must be >= 1"),
             (self.clip_center in ("current", "behaviour"), "clip_center must be 'current' or 'behaviour'"),
             (self.policy_loss in ("grpo", "rec", "rec-is", "opmd"), "policy_loss must be grpo, rec, rec-is or opmd"),
-            (
-                self.loss_type in LOSS_TYPES,
-                (
-                    f"loss_type {self.loss_type!r} has no counterpart here; use dapo "
-                    "(token-mean), grpo (seq-mean) or dr_grpo (constant)"
-                ),
-            ),
+            (self.loss_type in LOSS_TYPES, f"loss_type {self.loss_type!r} has no counterpart: use dapo, grpo, dr_grpo"),
             (
                 self.steps_per_generation == self.gradient_accumulation_steps,
                 (
@@ -393,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
     run(*built, t0)
+    if torch.distributed.is_initialized():  # every rank leaves together: an early exit aborts gloo's threads
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return 0
 
 
