@@ -1,42 +1,58 @@
-"""[A]'s off-policy GRPO inside TRL's GRPOTrainer: a frozen sampler refreshed every v steps, this project's loss.
+"""[A]'s off-policy GRPO inside TRL's GRPOTrainer, on TRL's own generation schedule: no copy of the weights.
 
     python -m integrations.trl_grpo --offpolicy-steps 4 --output_dir runs/trl   # built-in tiny policy, arithmetic, CPU
-    torchrun --nproc_per_node 2 -m integrations.trl_grpo --offpolicy-steps 2 --max_steps 6 --output_dir runs/trl2
+    torchrun --nproc_per_node 2 -m integrations.trl_grpo --offpolicy-steps 4 --max_steps 8 --output_dir runs/trl2
     accelerate launch --num_processes 8 -m integrations.trl_grpo --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k ...
-    python -m benchmarks.bench --trl-subclass --prompts 8 --group 8    # cost of the stale copy vs stock TRL
+    python -m benchmarks.bench --trl-subclass --prompts 8 --group 8    # v = 4 against v = 1 against stock TRL
 
-A GRPO step k is one generation and `num_iterations` (i) optimizer steps, k = global_step // i:
-  1. if k % v == 0, alpha <- pi_theta (v = offpolicy_steps); k, and under DDP the weights, are equal on every rank,
-     so every rank holds the same alpha. v = 1 keeps no copy: the live policy samples, as in stock TRL;
-  2. TRL's own generation runs on alpha (with vLLM, the engine holds alpha);
-  3. TRL's reward functions, then `advantage.group_advantages` (population std, eps inside the square root); with
-     mask_zero_std, equal-reward groups leave the loss and its normaliser (folded into `loss_mask`);
-  4. log alpha from logits / tau: a no-grad pass of the copy on stale steps (vLLM: the engine's own log-probs);
-     log pi_k: TRL's old_per_token_logps when it computes one, else the first forward's logp.detach() (dev. 1);
-  5. `objective.policy_loss` (its docstring states [A]'s surrogate; clip_center="behaviour" is PPO / stock TRL), or
-     [B]'s rec / rec-is / opmd, through TRL's optimizer, accumulation and DDP, with the whole step's normaliser Z.
-     Z is the whole step's normaliser over every micro-batch and rank; each of the P ranks divides its sum by Z / P,
-     so DDP's gradient average is exactly sum / Z, as on one device.
+v (offpolicy_steps) is TRL's generation period: steps_per_generation = v * gradient_accumulation_steps (GA), so TRL
+generates one batch for v optimizer steps (generation_batch_size = per_device_train_batch_size * processes * v * GA
+completions), from the policy as it is then: alpha. A user who sets steps_per_generation (or generation_batch_size)
+instead gets v = steps_per_generation / GA; it must be a multiple of GA, and agree with offpolicy_steps if both are
+set. Neither set: v = 1, stock TRL's one generation per optimizer step. A GRPO step is one optimizer step:
+  1. every v steps TRL generates the next v steps' batches at once (with vLLM the engine gets the weights then only),
+     shuffles them and deals them out, GA slices a step; under DDP every rank does so at the same step;
+  2. TRL's reward functions, then `advantage.group_advantages` over the whole generation (population std, eps inside
+     the square root); with mask_zero_std, equal-reward groups leave the loss and its normaliser (in `loss_mask`);
+  3. log alpha = TRL's `old_per_token_logps`: with v > 1 (or vLLM's correction on) TRL computes it at generation time
+     from logits / tau; with v = 1 alpha = pi_k and it is None. log pi_k = the step's own forward, detached (until
+     the step's optimizer step pi_theta is pi_k); with num_iterations (i) > 1 TRL trains on each slice i times, and
+     pi_k is the policy of the slice's first pass (its log-probs kept in the slice for the later passes);
+  4. `objective.policy_loss` (its docstring states [A]'s surrogate; clip_center="behaviour" is PPO / stock TRL), or
+     [B]'s rec / rec-is / opmd, through TRL's optimizer, accumulation and DDP. Z, the normaliser of each optimizer
+     step over its GA slices and all P ranks, is counted when the generation is dealt out; each rank divides its sum
+     by Z / P, so DDP's gradient average is exactly sum / Z, as on one device.
 Legend (TRL field -> symbol): offpolicy_steps v, epsilon eps_low, epsilon_high eps_high, beta, temperature tau,
 num_iterations i, num_generations G; loss_type -> Z: dapo -> token-mean (valid tokens), grpo -> seq-mean (valid
 sequences), dr_grpo -> constant (N * max_completion_length): stock TRL's own normalisers when nothing is masked;
 bnpo (per micro-batch), cispo, sapo, luspo, vespo have no counterpart and are a one-line error.
 
-Deviations from [A]: 1. log pi_k costs no pass: until the step's optimizer step pi_theta is pi_k (as in train.py);
-2. held-out accuracy is greedy (HF generate). vLLM: alpha reaches the engine at refresh steps and after a resume
-only; TRL's importance-sampling correction is not applied on top, as its ratio exp(old - sampling) is rho' itself
-(pi_k over the engine's alpha, mismatch included), which [A]'s surrogate already weights by (unscored tokens: rho' = 1).
+vLLM: TRL's `vllm_importance_sampling_correction` keeps its default (on). The engine samples from alpha_e (alpha's
+weights, the engine's numerics), TRL's weight w_t = exp(old - sampling) = alpha / alpha_e (truncated at
+vllm_importance_sampling_clip_max, or masked: TRL's mode) and multiplies the per-token surrogate, as stock TRL does:
+here A_t = w_t * A, so o_t becomes w_t * o_t (w >= 0), the KL term unweighted. rho = pi_theta / alpha and
+rho' = pi_k / alpha stay trainer-side: at r = 1 the weight is w * rho' = pi_k / alpha_e, the engine's mismatch
+(w, TRL's truncation) times the staleness (rho', [A]'s clip centre). Correction off: w = 1, alpha the trainer's.
+
+Checkpoints: each rank saves TRL's buffered generation (the unfinished cycle's slices, pi_k's log-probs included)
+and its micro-step counter in checkpoint-<step>/generation_buffer_rank<r>.pt; a resume restores both, so a run
+resumed mid-cycle trains on the very batches, and samples the very completions, of the uninterrupted run. A
+checkpoint without them (stock TRL's, another world size) resumes as stock TRL does: a fresh generation at the
+resume step, from the checkpoint's policy, starting a new cycle there.
+
+Deviations from [A]: 1. log pi_k costs no pass (as in train.py); 2. held-out accuracy is greedy (HF generate).
 Departures from stock GRPOTrainer: README, "At scale: TRL". Not supported (one-line error): sequence-level IS,
-off-policy masks, entropy terms, batch reward scaling, normalize_then_sum, vision-language models, MoE aux loss;
-with v > 1 also FSDP, DeepSpeed ZeRO-3, PEFT, rollout_func, cast_lm_head_to_fp32.
+off-policy masks, entropy terms, batch reward scaling, normalize_then_sum, bias-corrected KL, vision-language
+models, MoE aux loss. Nothing else is refused: PEFT, FSDP, ZeRO-3, rollout_func run TRL's own code (README: what
+was run here).
 """
 
-import copy
 import hashlib
 import json
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,7 +62,6 @@ from datasets import Dataset
 from transformers import AutoTokenizer, HfArgumentParser
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import add_fused_lm_head
 
 import objective
 import reinforce
@@ -58,14 +73,17 @@ from tasks import TaskError, encode_prompts, format_prompt, load_task
 
 # TRL loss_type -> this project's aggregation (objective.py): the ones whose math is the same.
 LOSS_TYPES = {"dapo": "token-mean", "grpo": "seq-mean", "dr_grpo": "constant"}
-SAMPLER_FILE = "sampler.pt"  # alpha's state dict, inside each checkpoint-<step>/ folder
+BUFFER_FILE = "generation_buffer_rank{}.pt"  # TRL's buffered generation, one per rank, inside checkpoint-<step>/
 
 
 @dataclass
 class OffPolicyGRPOConfig(GRPOConfig):
     """GRPOConfig plus [A]'s off-policy knobs; TRL's own fields keep their meaning (module docstring)."""
 
-    offpolicy_steps: int = field(default=1, metadata={"help": "v: alpha <- pi_theta every v steps (1 = on-policy)"})
+    offpolicy_steps: int | None = field(
+        default=None,
+        metadata={"help": "v: one generation every v steps (steps_per_generation = v * GA; unset: from it, else 1)"},
+    )
     clip_center: str = field(default="current", metadata={"help": "current (rho', [A]) or behaviour (1, stock TRL)"})
     mask_zero_std: bool = field(default=True, metadata={"help": "drop equal-reward groups from loss and normaliser"})
     policy_loss: str = field(default="grpo", metadata={"help": "grpo (clipped surrogate), rec, rec-is, opmd ([B])"})
@@ -74,7 +92,13 @@ class OffPolicyGRPOConfig(GRPOConfig):
     use_bias_correction_kl: bool = field(default=False, metadata={"help": "not supported here: must stay False"})
 
     def __post_init__(self):
+        v, ga = self.offpolicy_steps, self.gradient_accumulation_steps
+        if v is not None and v < 1:
+            raise ValueError("OffPolicyGRPOConfig: offpolicy_steps must be >= 1")
+        if v is not None and self.steps_per_generation is None and self.generation_batch_size is None:
+            self.steps_per_generation = v * ga  # TRL derives generation_batch_size from it
         super().__post_init__()
+        per_step, rest = divmod(self.steps_per_generation, ga)
         # TRL options this loss does not implement, and the value each must keep
         fixed = dict(
             off_policy_mask_threshold=None,
@@ -86,28 +110,22 @@ class OffPolicyGRPOConfig(GRPOConfig):
             importance_sampling_level="token",
             multi_objective_aggregation="sum_then_normalize",
         )
-        unsupported = [k for k, v in fixed.items() if getattr(self, k) != v]
+        unsupported = [k for k, val in fixed.items() if getattr(self, k) != val]
         checks = [
-            (self.offpolicy_steps >= 1, "offpolicy_steps must be >= 1"),
+            (rest == 0, f"steps_per_generation ({self.steps_per_generation}) must be a multiple of GA ({ga})"),
+            (v in (None, per_step), f"offpolicy_steps={v} but steps_per_generation / GA = {per_step}"),
             (self.clip_center in ("current", "behaviour"), "clip_center must be 'current' or 'behaviour'"),
             (self.policy_loss in ("grpo", "rec", "rec-is", "opmd"), "policy_loss must be grpo, rec, rec-is or opmd"),
             (self.loss_type in LOSS_TYPES, f"loss_type {self.loss_type!r} has no counterpart: use dapo, grpo, dr_grpo"),
-            (
-                self.steps_per_generation == self.gradient_accumulation_steps,
-                (
-                    "steps_per_generation must equal "
-                    "gradient_accumulation_steps (one generation per step; reuse a batch with num_iterations)"
-                ),
-            ),
             (self.beta == 0 or self.policy_loss == "grpo", "beta > 0 needs policy_loss='grpo'"),
             (self.tau_reg >= 0, "tau_reg must be >= 0"),
             (self.scale_rewards in ("group", "none"), "scale_rewards must be 'group' or 'none'"),
-            (self.offpolicy_steps == 1 or not self.cast_lm_head_to_fp32, "cast_lm_head_to_fp32 needs v = 1"),
             (not unsupported, f"not supported, keep the default: {', '.join(unsupported)}"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(f"OffPolicyGRPOConfig: {msg}")
+        self.offpolicy_steps = per_step
 
 
 def checksum(weights) -> str:
@@ -119,68 +137,21 @@ def checksum(weights) -> str:
 
 
 class OffPolicyGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer with a frozen sampler alpha refreshed every v steps and this project's loss (module docstring)."""
+    """GRPOTrainer with one generation every v steps (alpha) and this project's loss (module docstring)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.aux_loss_enabled or self._is_vlm:
             raise ValueError("OffPolicyGRPOTrainer: MoE aux losses and vision-language models are not supported")
-        self.sampler = None  # alpha (None: the live policy samples, v = 1)
-        if self.args.offpolicy_steps > 1:
-            if self.is_fsdp_enabled or self._dist.is_zero3 or self.rollout_func or hasattr(self.model, "peft_config"):
-                raise ValueError(
-                    "OffPolicyGRPOTrainer: offpolicy_steps > 1 needs full weights on every rank "
-                    "(DDP, ZeRO-1/2), no PEFT, no rollout_func"
-                )
-            self.sampler = copy.deepcopy(self.accelerator.unwrap_model(self.model)).requires_grad_(False).eval()
-            # TRL patched `forward` with a closure over the policy: the copy gets a patch of its own.
-            self.sampler.__dict__.pop("forward", None)
-            add_fused_lm_head(self.sampler, temperature=self.temperature)
-        self._use_sampler = False  # True while a training generation runs on alpha
-        self._vllm_needs_alpha = False  # the engine must receive alpha before its next generation
-        self._rewards = None  # (N, F) the step's rewards per function, all ranks
-
-    def _refresh_sampler(self) -> bool:
-        """Step 1: alpha <- pi_theta when k % v == 0 (training only); returns whether this step refreshes."""
-        k = self.state.global_step // self.num_iterations
-        refresh = self.model.training and k % self.args.offpolicy_steps == 0
-        if refresh and self.sampler is not None:
-            self.sampler.load_state_dict(self.accelerator.unwrap_model(self.model).state_dict())
-            self._vllm_needs_alpha = True
-        self._use_sampler = self.model.training and self.sampler is not None
-        return refresh
-
-    def _generate_single_turn(self, *args, **kwargs):
-        """Step 2 on alpha: TRL's generation with the copy in place of the policy, or vLLM fed alpha only."""
-        if not self._use_sampler:
-            # an evaluation generation may push the live policy to the engine: alpha must go back there after
-            self._vllm_needs_alpha |= self.use_vllm and self.sampler is not None
-            return super()._generate_single_turn(*args, **kwargs)
-        if not self.use_vllm:
-            wrapped, self.model_wrapped = self.model_wrapped, self.sampler
-            try:
-                return super()._generate_single_turn(*args, **kwargs)
-            finally:
-                self.model_wrapped = wrapped
-        if self._vllm_needs_alpha:
-            engine_model, self.vllm_generation.model = self.vllm_generation.model, self.sampler
-            self.vllm_generation.sync_weights()
-            self.vllm_generation.model, self._vllm_needs_alpha = engine_model, False
-        # TRL pushes the live policy whenever global_step moved; marked done, the engine keeps alpha.
-        self._last_loaded_step = self.state.global_step
-        return super()._generate_single_turn(*args, **kwargs)
+        self._rewards = None  # (N, F) the generation's rewards per function, all ranks
 
     def _calculate_rewards(self, *args, **kwargs):
         self._rewards = super()._calculate_rewards(*args, **kwargs)  # (N, F) gathered over ranks
         return self._rewards
 
     def _generate_and_score_completions(self, inputs):
-        """Steps 1-4: TRL's batch, with this project's advantages, loss mask, normaliser and alpha's log-probs."""
-        refresh = self._refresh_sampler()
-        # alpha != pi_k on a stale step: its log-probs need a pass of their own
-        stale = self._use_sampler and not refresh
+        """Steps 1-3: TRL's generation, log alpha and rewards, with this project's advantages and loss mask."""
         out = super()._generate_and_score_completions(inputs)
-        self._use_sampler = False
         a, device, n = self.args, self.accelerator.device, out["completion_ids"].shape[0]
         group = self.num_generations if self.model.training else self.num_generations_eval
         rewards = (self._rewards * self.reward_weights.to(device)).nansum(dim=1)  # (N,) all ranks
@@ -188,45 +159,61 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         scale_std = a.scale_rewards == "group" and a.policy_loss != "opmd"
         adv, valid = group_advantages(rewards, group, mask_zero_std=a.mask_zero_std, scale_std=scale_std)  # (N,)
         rows = slice(self.accelerator.process_index * n, (self.accelerator.process_index + 1) * n)
-        mask = out["completion_mask"] * out.get("tool_mask", 1) * valid[rows].unsqueeze(1)  # (n, T)
-        out["advantages"], out["loss_mask"] = adv[rows], mask
-        # Z of the whole step over all ranks: valid tokens, sequences with one, or n * max_completion_length
-        # fmt: off
-        local = {"token-mean": mask.sum(), "seq-mean": (mask.sum(1) > 0).sum(),
-                 "constant": torch.tensor(n * self.max_completion_length)}[LOSS_TYPES[a.loss_type]]
-        # fmt: on
-        out["loss_total"] = self.accelerator.gather(local.float().to(device).reshape(1)).sum().clamp(min=1.0)
-        if self.use_vllm:
-            # the engine sampled: its log-probs are alpha's (NaN where it could not score)
-            out["behaviour_logps"] = out.get("sampling_per_token_logps")
-        elif stale:
-            ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)  # (n, P+T)
-            attn = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)  # (n, P+T)
-            with torch.no_grad():
-                out["behaviour_logps"] = self._get_per_token_logps_and_entropies(
-                    self.sampler, ids, attn, out["completion_ids"].shape[1], batch_size=a.per_device_train_batch_size
-                )[0]  # (n, T) log alpha, from logits / tau
+        out["advantages"] = adv[rows]  # (n,)
+        out["loss_mask"] = out["completion_mask"] * out.get("tool_mask", 1) * valid[rows].unsqueeze(1)  # (n, T)
         r = rewards.view(-1, group)  # (B, G)
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["offpolicy/zero_std_frac"].append((r.amax(1) == r.amin(1)).float().mean().item())
-        self._metrics[mode]["offpolicy/refreshed"].append(float(refresh))
         return out
 
+    def _prepare_inputs(self, generation_batch):
+        """TRL's schedule (generate every v * i steps, deal out the slices); each new slice gets its step's Z."""
+        before = self._buffered_inputs
+        inputs = super()._prepare_inputs(generation_batch)
+        if not self.model.training:
+            self._set_step_normalisers([inputs], group=1)  # evaluation: one batch, no accumulation
+        elif self._buffered_inputs is not before:  # TRL has just generated
+            self._set_step_normalisers(self._buffered_inputs, group=self.args.gradient_accumulation_steps)
+        return inputs
+
+    def _set_step_normalisers(self, slices: list[dict], group: int) -> None:
+        """`loss_total` = Z of each optimizer step: its `group` consecutive slices, summed over all ranks (1 gather).
+
+        Z counts valid tokens (token-mean), sequences with one (seq-mean) or n * max_completion_length (constant)."""
+        agg = LOSS_TYPES[self.args.loss_type]
+        counts = []
+        for s in slices:
+            m = s["loss_mask"]  # (n, T)
+            # fmt: off
+            counts.append({"token-mean": m.sum(), "seq-mean": (m.sum(1) > 0).sum(),
+                           "constant": torch.tensor(m.shape[0] * self.max_completion_length)}[agg])
+            # fmt: on
+        local = torch.stack(counts).float().to(self.accelerator.device).view(-1, group).sum(1)  # (steps,)
+        z = self.accelerator.gather(local.unsqueeze(0)).sum(0).clamp(min=1.0)  # (steps,) over the P ranks
+        for j, s in enumerate(slices):
+            s["loss_total"] = z[j // group]
+
     def _compute_loss(self, model, inputs):
-        """Step 5 on one micro-batch: objective.policy_loss (or rec / opmd) with the step's normaliser Z / P."""
+        """Step 4 on one slice: objective.policy_loss (or rec / opmd) with the step's normaliser Z / P."""
         a, mode = self.args, "train" if self.model.training else "eval"
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)  # (n, P+T)
         attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)  # (n, P+T)
         logp, entropy, _ = self._get_per_token_logps_and_entropies(
             model, ids, attn, inputs["completion_ids"].shape[1], compute_entropy=True
         )  # (n, T) each
-        # log pi_k: TRL's old_per_token_logps when it computed one (num_iterations > 1), else this forward's
-        current = inputs.get("old_per_token_logps")
-        current = logp.detach() if current is None else current  # (n, T)
-        # log alpha; None when alpha = pi_k (refresh step, or v = 1)
-        behaviour = inputs.get("behaviour_logps")
-        behaviour = current if behaviour is None else torch.where(torch.isnan(behaviour), current, behaviour)
-        mask, adv = inputs["loss_mask"], inputs["advantages"]  # (n, T), (n,)
+        # log pi_k: this forward, detached, on the slice's first pass; kept in the slice for its later passes
+        current = inputs.get("current_logps")
+        if current is None:
+            current = logp.detach()  # (n, T)
+            if self.model.training and self.num_iterations > 1:
+                inputs["current_logps"] = current
+        # log alpha: TRL's old_per_token_logps (the policy at generation time); None when alpha = pi_k (v = 1)
+        behaviour = inputs.get("old_per_token_logps")
+        behaviour = current if behaviour is None else behaviour  # (n, T)
+        mask = inputs["loss_mask"]  # (n, T)
+        # vLLM: TRL's engine-mismatch weight w = alpha / alpha_e (n, T) or (n, 1), folded into A (module docstring)
+        w = inputs.get("importance_sampling_ratio")
+        adv = inputs["advantages"] if w is None else inputs["advantages"].unsqueeze(1) * w  # (n,) or (n, T)
         z = inputs["loss_total"].item() / self.accelerator.num_processes  # Z / P
         common = dict(agg=LOSS_TYPES[a.loss_type], max_new_tokens=self.max_completion_length, total=z)
         eps = dict(clip_eps=self.epsilon_low, clip_eps_high=self.epsilon_high)
@@ -249,25 +236,33 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         g = self.accelerator.gather(row.unsqueeze(0))  # (P, 7)
         means, seen = (g[:, :5].sum(0) / g[:, 5].sum().clamp(min=1.0)).tolist(), g[:, 5].sum().item() > 0
         keys = ["offpolicy/rho_prime_mean", "clip_ratio/low_mean", "clip_ratio/high_mean", "kl", "entropy"]
-        for key, v in zip(keys + ["offpolicy/rho_prime_max"], means + [g[:, 6].max().item()]):
-            self._metrics[mode][key].append(v if seen else float("nan"))
+        for key, val in zip(keys + ["offpolicy/rho_prime_max"], means + [g[:, 6].max().item()]):
+            self._metrics[mode][key].append(val if seen else float("nan"))
         return loss
 
+    def _buffer_path(self, folder: str) -> str:
+        return os.path.join(folder, BUFFER_FILE.format(self.accelerator.process_index))
+
     def _save_checkpoint(self, model, trial):
+        """TRL's checkpoint, plus this rank's buffered generation and micro-step counter (module docstring)."""
         super()._save_checkpoint(model, trial)
-        if self.sampler is not None and self.args.should_save:
-            folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            torch.save(self.sampler.state_dict(), os.path.join(self._get_output_dir(trial), folder, SAMPLER_FILE))
+        folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        state = {"step": self._step, "world_size": self.accelerator.num_processes, "buffer": self._buffered_inputs}
+        torch.save(state, self._buffer_path(folder))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        if self.sampler is None or checkpoint is None:
+        if checkpoint is None:
             return
-        path = os.path.join(checkpoint, SAMPLER_FILE)
-        if not os.path.isfile(path):
-            raise ValueError(f"resume: {path} not found (saved with offpolicy_steps=1?); alpha cannot be restored")
-        self.sampler.load_state_dict(torch.load(path, map_location=self.accelerator.device, weights_only=True))
-        self._vllm_needs_alpha = True  # a fresh engine holds the initial weights, not alpha
+        path = self._buffer_path(checkpoint)
+        state = (
+            torch.load(path, map_location=self.accelerator.device, weights_only=True) if os.path.isfile(path) else None
+        )
+        if state is None or state["world_size"] != self.accelerator.num_processes:
+            warnings.warn(f"resume: no generation buffer for this world size in {checkpoint}: TRL generates anew")
+            return
+        self._step, self._buffered_inputs = state["step"], state["buffer"]
 
 
 @dataclass
@@ -360,8 +355,8 @@ def run(trainer: OffPolicyGRPOTrainer, tokenizer, heldout, t0: float) -> dict:
     policy = acc.unwrap_model(trainer.model)
     acc_end = evaluate(policy, tokenizer, heldout, cfg.max_completion_length, acc)
     trainer.save_model(os.path.join(cfg.output_dir, "final"))
-    # [policy, alpha] checksums of every rank: DDP must leave them equal
-    sums = gather_object([[checksum(policy)] + ([checksum(trainer.sampler)] if trainer.sampler is not None else [])])
+    # every rank's policy checksum: DDP must leave them equal
+    sums = gather_object([checksum(policy)])
     # fmt: off
     summary = {"eval_accuracy_start": acc_start, "eval_accuracy_end": acc_end, "steps": trainer.state.global_step,
                "world_size": acc.num_processes, "wall_s": time.time() - t0, "offpolicy_steps": cfg.offpolicy_steps,
