@@ -2,14 +2,12 @@
 corrections of other engines (AReaL's decoupled objective, truncated and masked sampler weights), and
 the aggregation every loss shares. The REINFORCE-family losses of [B] are in reinforce.py.
 
-Every loss here takes per-token log-probs of the completions, shape (N, T), and a
-`completion_mask` (N, T) that is 1 on the tokens that count: the completion tokens up to and
-including EOS, of the completions whose group carries signal (the caller folds `valid` in).
-
-Each loss is two steps: a per-token function gives the (N, T) objective and the masks its statistics need
-(`surrogate_per_token` here; `rec_per_token`, `opmd_per_token` in reinforce.py), and the loss aggregates it
-(`policy_loss`; `rec_loss`, `opmd_loss`). An engine with its own aggregation and KL term calls the per-token
-function alone (integrations/verl_grpo.py does).
+Every loss here takes per-token log-probs of the completions, shape (N, T), and a `completion_mask` (N, T) that
+is 1 on the tokens that count: the completion tokens up to and including EOS, of the completions whose group
+carries signal (the caller folds `valid` in). Each loss is two steps: a per-token function gives the (N, T)
+objective and the masks its statistics need (`surrogate_per_token` here; `rec_per_token`, `opmd_per_token` in
+reinforce.py), and the loss aggregates it (`policy_loss`; `rec_loss`, `opmd_loss`). An engine with its own
+aggregation and KL term calls the per-token function alone (integrations/verl_grpo.py does).
 
 Aggregation (`agg`), the normaliser of the summed per-token objective:
     token-mean  sum over all valid tokens of the step / their count  (no length bias; default)
@@ -27,6 +25,16 @@ Deviations from the papers:
      a ratio is never negative, so a negative bound would be vacuous anyway.
   3. `is_cap` truncates the sampler weight (TIS: w = min(rho', C)); AReaL's `behav_imp_weight_cap` zeroes the
      tokens above the cap instead. Dropping tokens is `is_mask`'s job, and it drops them from the normaliser.
+
+`is_level` sets the ratio rho^L that TIS and MIS act on (`policy_loss`): rho'_t, or per sequence the product R
+or the geometric mean G of its rho'_t. In the engines (their old policy is pi_k, vLLM alpha, their PPO loss times
+the correction weight the decoupled centre; tests/test_sequence_is.py pins or contrasts each):
+    sequence, is_cap=C    TRL 1.16 vllm_importance_sampling_mode="sequence_truncate" (clip_max=C, clip_min=None);
+                          verl 0.9 rollout_is="sequence", rollout_is_threshold=C
+    sequence, is_mask=M   verl rollout_rs="seq_sum_k1", threshold M. TRL's "sequence_mask" (clip_max=M) is this
+                          with is_cap=M, but one-sided unless clip_min=1/M, masked sequences kept in its normaliser
+    geometric, is_mask=M  verl's Geo-RS, rollout_rs="seq_mean_k1" ("geometric" in verl 0.6), threshold M
+    geometric, is_cap=C   neither engine
 """
 
 from typing import NamedTuple
@@ -36,6 +44,7 @@ import torch
 AGGREGATIONS = ("token-mean", "seq-mean", "constant")
 CLIP_CENTERS = ("current", "behaviour", "decoupled")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+IS_LEVELS = ("token", "sequence", "geometric")
 
 
 def aggregation_total(completion_mask: torch.Tensor, agg: str, max_new_tokens: int | None = None) -> float:
@@ -85,41 +94,57 @@ def neutral_outside(completion_mask: torch.Tensor, logp: torch.Tensor, *others: 
     """`others` (log-probs of alpha, pi_k, pi_ref; None stays None), detached, with logp's own detached values
     on the tokens outside the mask: every ratio is 1 there, so nothing outside the mask can overflow.
 
-    A masked-out token (padding, a group without signal) contributes nothing, but its values still flow
-    through the per-token formulas: an overflowing rho' = inf there times a zero gradient would be nan
-    (inf * 0), and the nan would reach every parameter's gradient. Each loss calls this first."""
+    A masked-out token (padding, a group without signal) contributes nothing, but its values still flow through
+    the per-token formulas: an overflowing rho' = inf there times a zero gradient would be nan (inf * 0), and the
+    nan would reach every parameter's gradient. Each loss calls this first."""
     keep, anchor = completion_mask > 0, logp.detach()  # (N, T) each
     return [None if x is None else torch.where(keep, x.detach(), anchor) for x in others]
 
 
 def _check_is_mask(is_mask: float | None) -> None:
     if is_mask is not None and not is_mask >= 1.0:
-        raise ValueError(
-            f"is_mask must be >= 1 (tokens with rho' outside [1/is_mask, is_mask] are dropped), got {is_mask}"
-        )
+        raise ValueError(f"is_mask must be >= 1 (MIS keeps the ratios in [1/is_mask, is_mask]), got {is_mask}")
 
 
 def _mis_keep(rho_prime: torch.Tensor, is_mask: float) -> torch.Tensor:
-    """(N, T) bool: True where 1/is_mask <= rho' <= is_mask (the tokens MIS keeps)."""
+    """(N, T) or (N, 1) bool: True where 1/is_mask <= the ratio <= is_mask (what MIS keeps)."""
     return (rho_prime >= 1.0 / is_mask) & (rho_prime <= is_mask)
 
 
+def _level_ratio(log_rho: torch.Tensor, completion_mask: torch.Tensor | None, is_level: str) -> torch.Tensor:
+    """rho^L, the ratio TIS and MIS act on, from log rho' (N, T): rho'_t itself (N, T) at is_level="token";
+    R = exp(sum_t log rho'_t) or G = exp(mean_t log rho'_t) (N, 1), float64, t over the valid tokens, otherwise."""
+    if is_level == "token":
+        return torch.exp(log_rho)  # (N, T)
+    if is_level not in IS_LEVELS:
+        raise ValueError(f"is_level must be one of {IS_LEVELS}, got {is_level!r}")
+    if completion_mask is None:
+        raise ValueError(f"is_level={is_level!r} needs completion_mask (the tokens a sequence's ratio runs over)")
+    keep = completion_mask > 0  # (N, T)
+    # A sum of log-ratios, not a product of ratios: no overflow on the way; where(): nothing outside the mask counts.
+    log_seq = torch.where(keep, log_rho.double(), 0.0).sum(dim=1, keepdim=True)  # (N, 1) log R
+    if is_level == "geometric":
+        log_seq = log_seq / keep.sum(dim=1, keepdim=True).clamp(min=1)  # (N, 1) log G
+    return torch.exp(log_seq)  # (N, 1)
+
+
 def mis_keep_mask(
-    behaviour_logp: torch.Tensor, current_logp: torch.Tensor | None, is_mask: float | None
-) -> torch.Tensor:
+    behaviour_logp: torch.Tensor, current_logp: torch.Tensor | None, is_mask: float | None, *,
+    completion_mask: torch.Tensor | None = None, is_level: str = "token",
+) -> torch.Tensor:  # fmt: skip
     """The tokens that masked importance sampling (MIS, IcePop) keeps: (N, T) bool.
 
-        keep_t = 1[1/M <= rho'_t <= M],   rho'_t = pi_k(y_t) / alpha(y_t) = exp(current_logp - behaviour_logp)
+        keep_t = 1[1/M <= rho^L <= M],   rho'_t = pi_k(y_t) / alpha(y_t) = exp(current_logp - behaviour_logp)
 
-    M -> is_mask (None keeps every token); current_logp=None means pi_k = alpha (rho' = 1, all kept).
-    `policy_loss(..., is_mask=M)` drops the other tokens from the loss and from its normaliser; a caller
-    that micro-batches a step passes `total=aggregation_total(completion_mask * keep, agg, max_new_tokens)`.
+    rho^L: rho'_t, or the sequence's R or G (`policy_loss`) over completion_mask's tokens; M -> is_mask (None: all
+    kept); current_logp=None means pi_k = alpha (rho' = 1). `policy_loss(..., is_mask=M)` drops the others from the
+    loss and its normaliser; micro-batches pass `total=aggregation_total(completion_mask * keep, agg, max_new_tokens)`.
     """
     if current_logp is None or is_mask is None:
         return torch.ones_like(behaviour_logp, dtype=torch.bool)  # (N, T)
     _check_is_mask(is_mask)
-    rho_prime = torch.exp(current_logp.detach() - behaviour_logp.detach())  # (N, T)
-    return _mis_keep(rho_prime, is_mask)  # (N, T)
+    rho_level = _level_ratio(current_logp.detach() - behaviour_logp.detach(), completion_mask, is_level)
+    return _mis_keep(rho_level, is_mask).expand_as(behaviour_logp)  # (N, T)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -145,33 +170,30 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
 
 
 def sampler_mismatch_stats(
-    behaviour_logp: torch.Tensor,
-    current_logp: torch.Tensor | None,
-    completion_mask: torch.Tensor,
-    *,
-    is_cap: float | None = None,
-    is_mask: float | None = None,
-) -> dict:
+    behaviour_logp: torch.Tensor, current_logp: torch.Tensor | None, completion_mask: torch.Tensor, *,
+    is_cap: float | None = None, is_mask: float | None = None, is_level: str = "token",
+) -> dict:  # fmt: skip
     """How far the sampler alpha is from pi_k, as floats over the valid tokens (completion_mask == 1).
 
         mismatch_kl_k1   mean_t [ log alpha(y_t) - log pi_k(y_t) ]     KL(alpha || pi_k), k1; y_t ~ alpha
         mismatch_kl_k3   mean_t [ rho'_t - 1 - log rho'_t ]            the same KL, k3 (>= 0, lower variance)
         rho_prime_mean, rho_prime_p50, rho_prime_p99, rho_prime_max    of rho'_t = pi_k(y_t) / alpha(y_t)
-        is_capped_frac   fraction of valid tokens that TIS caps (rho' > is_cap and kept by MIS); 0 without is_cap
-        is_masked_frac   fraction of valid tokens that MIS drops (rho' outside [1/is_mask, is_mask]); 0 without is_mask
+        is_capped_frac   fraction of valid tokens that TIS caps (rho^L > is_cap and kept by MIS); 0 without is_cap
+        is_masked_frac   fraction of valid tokens that MIS drops (rho^L outside [1/is_mask, is_mask]); 0 without is_mask
 
     They depend on alpha and pi_k only, not on pi_theta, so a step computes them once, on the whole step:
     quantiles of micro-batches do not combine (torch's quantiles take at most 2**24 = 16.7M tokens).
-    current_logp=None means pi_k = alpha.
+    current_logp=None means pi_k = alpha. rho^L is `policy_loss`'s (is_level): a sequence's tokens count together.
     """
     _check_is_mask(is_mask)
     base = behaviour_logp.detach()
     log_rho = torch.zeros_like(base) if current_logp is None else current_logp.detach() - base  # (N, T)
     valid = completion_mask > 0  # (N, T)
     rho = torch.exp(log_rho)  # (N, T)
-    kept = valid if is_mask is None else valid & _mis_keep(rho, is_mask)  # (N, T)
+    rho_level = rho if is_level == "token" else _level_ratio(log_rho, completion_mask, is_level)  # (N, T) or (N, 1)
+    kept = valid if is_mask is None else valid & _mis_keep(rho_level, is_mask)  # (N, T)
     # TIS caps only tokens still in the loss; a token MIS dropped counts as dropped, not capped.
-    capped = kept & (rho > is_cap) if is_cap is not None else torch.zeros_like(valid)  # (N, T)
+    capped = kept & (rho_level > is_cap) if is_cap is not None else torch.zeros_like(valid)  # (N, T)
     # Masked-out tokens become NaN, which nanquantile skips: no boolean indexing, so no device sync.
     rho_valid = rho.masked_fill(~valid, float("nan")).flatten()  # (N*T,)
     rho_valid = rho_valid if rho_valid.dtype == torch.float64 else rho_valid.float()  # quantiles need fp32/64
@@ -206,37 +228,27 @@ def token_advantages(advantages: torch.Tensor, dtype: torch.dtype) -> torch.Tens
 
 
 class SurrogateTerms(NamedTuple):
-    """`surrogate_per_token`'s result, all (N, T)."""
+    """`surrogate_per_token`'s result, all (N, T). clip_low / clip_high: the ratio left the interval on the side the
+    advantage pushes it towards, so the min() took the flat branch; never a token MIS dropped."""
 
     objective: torch.Tensor  # o_t, with grad
     ratio: torch.Tensor  # rho_t = pi_theta / alpha, with grad
     clip_low: torch.Tensor  # bool: the clip removed the gradient below the interval
     clip_high: torch.Tensor  # bool: ... above it
-    keep: torch.Tensor | None  # bool: the tokens MIS keeps; None without is_mask
+    keep: torch.Tensor | None  # bool: the tokens MIS keeps (1/M <= rho^L <= M); None without is_mask
 
 
 def surrogate_per_token(
-    logp: torch.Tensor,
-    behaviour_logp: torch.Tensor,
-    current_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-    *,
-    clip_eps: float = 0.2,
-    clip_eps_high: float | None = None,
-    clip_center: str = "current",
-    is_cap: float | None = None,
-    is_mask: float | None = None,
-) -> "SurrogateTerms":
+    logp: torch.Tensor, behaviour_logp: torch.Tensor, current_logp: torch.Tensor | None, advantages: torch.Tensor, *,
+    clip_eps: float = 0.2, clip_eps_high: float | None = None, clip_center: str = "current",
+    is_cap: float | None = None, is_mask: float | None = None, is_level: str = "token",
+    completion_mask: torch.Tensor | None = None,
+) -> "SurrogateTerms":  # fmt: skip
     """The per-token clipped surrogate o_t of `policy_loss`, before the KL term and the aggregation: the
     formula of every centre, the ratios rho, rho', r, the weight w and the legend are in `policy_loss`'s
-    docstring (the one place they are written). is_cap: C >= 1, decoupled centre only; is_mask: M >= 1.
-
-    Returns SurrogateTerms, all (N, T):
-        objective: o_t, with grad. The caller multiplies `keep` into the mask it aggregates with.
-        ratio: rho_t, with grad.
-        clip_low, clip_high: bool, the tokens whose gradient the clip removed, below / above the interval
-            (the ratio left it on the side the advantage pushes it towards); never a token MIS dropped.
-        keep: bool, the tokens MIS keeps (1/M <= rho'_t <= M); None without is_mask.
+    docstring (the one place they are written). is_cap: C >= 1, decoupled centre only; is_mask: M >= 1;
+    is_level: the ratio both act on; a sequence level needs completion_mask (N, T), its ratio's tokens.
+    Returns `SurrogateTerms`; the caller multiplies `keep` into the mask it aggregates with.
     """
     if clip_center not in CLIP_CENTERS:
         raise ValueError(f"clip_center must be one of {CLIP_CENTERS}, got {clip_center!r}")
@@ -245,16 +257,20 @@ def surrogate_per_token(
     if is_cap is not None and not is_cap >= 1.0:  # a cap below 1 would shrink on-policy tokens (rho' = 1) too
         raise ValueError(f"is_cap must be >= 1, got {is_cap}")
     _check_is_mask(is_mask)
+    if is_level != "token" and is_cap is None and is_mask is None:
+        raise ValueError(f"is_level={is_level!r} is the level of is_cap (TIS) and is_mask (MIS); neither is set")
     eps_low = clip_eps
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     adv = token_advantages(advantages, logp.dtype)  # (N, 1) or (N, T)
     behaviour_logp = behaviour_logp.detach()
 
     ratio = torch.exp(logp - behaviour_logp)  # (N, T) rho, carries the gradient
-    # rho' (N, T); current_logp=None: the sampler is pi_k.
-    rho_prime = torch.ones_like(ratio) if current_logp is None else torch.exp(current_logp.detach() - behaviour_logp)
-    # MIS: the tokens that stay in the loss and its normaliser.
-    keep = None if is_mask is None else _mis_keep(rho_prime, is_mask)  # (N, T) bool
+    # log rho' and rho' (N, T); current_logp=None: the sampler is pi_k.
+    log_rho = torch.zeros_like(ratio) if current_logp is None else current_logp.detach() - behaviour_logp
+    rho_prime = torch.exp(log_rho)  # (N, T)
+    # rho^L, the ratio of TIS and MIS: rho' itself, or one per sequence (N, 1). MIS keeps what stays in the loss.
+    rho_level = rho_prime if is_level == "token" else _level_ratio(log_rho, completion_mask, is_level)
+    keep = None if is_mask is None else _mis_keep(rho_level, is_mask).expand_as(ratio)  # (N, T) bool
 
     # pg_ratio is the ratio inside min(): rho for "current" and "behaviour", r for "decoupled".
     pg_ratio, weight = ratio, None
@@ -264,7 +280,7 @@ def surrogate_per_token(
     elif clip_center == "decoupled":
         log_pi_k = behaviour_logp if current_logp is None else current_logp.detach()  # (N, T)
         pg_ratio = torch.exp(logp - log_pi_k)  # (N, T) r = pi_theta / pi_k, carries the gradient
-        weight = rho_prime if is_cap is None else rho_prime.clamp(max=is_cap)  # (N, T) w, detached
+        weight = rho_prime if is_cap is None else rho_level.clamp(max=is_cap).to(rho_prime.dtype)  # (N, T) or (N, 1) w
         if keep is not None:
             # A dropped token's weight is 0, not rho': an overflowing rho' = inf would make inf * 0 = nan.
             weight = torch.where(keep, weight, torch.zeros_like(weight))  # (N, T)
@@ -286,24 +302,13 @@ def surrogate_per_token(
 
 
 def policy_loss(
-    logp: torch.Tensor,
-    behaviour_logp: torch.Tensor,
-    current_logp: torch.Tensor | None,
-    ref_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-    completion_mask: torch.Tensor,
-    *,
-    clip_eps: float = 0.2,
-    clip_eps_high: float | None = None,
-    clip_center: str = "current",
-    beta: float = 0.0,
-    agg: str = "token-mean",
-    max_new_tokens: int | None = None,
-    total: float | None = None,
-    is_cap: float | None = None,
-    is_mask: float | None = None,
-    kl_estimator: str = "k3",
-) -> tuple[torch.Tensor, dict]:
+    logp: torch.Tensor, behaviour_logp: torch.Tensor, current_logp: torch.Tensor | None, ref_logp: torch.Tensor | None,
+    advantages: torch.Tensor, completion_mask: torch.Tensor, *,
+    clip_eps: float = 0.2, clip_eps_high: float | None = None, clip_center: str = "current",
+    beta: float = 0.0, kl_estimator: str = "k3",
+    agg: str = "token-mean", max_new_tokens: int | None = None, total: float | None = None,
+    is_cap: float | None = None, is_mask: float | None = None, is_level: str = "token",
+) -> tuple[torch.Tensor, dict]:  # fmt: skip
     """GRPO's clipped off-policy surrogate with a KL penalty, as a loss to minimise.
 
         loss = - agg_{t kept} [ o_t  -  beta * kl_t ]
@@ -315,13 +320,14 @@ def policy_loss(
         o_t = min(rho_t A, clip(rho_t, max(rho'_t - eps_low, 0), rho'_t + eps_high) A)   "current"   ([A] f_eps)
             = min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A)                     "behaviour" (PPO)
             = w_t * min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A)                   "decoupled" (AReaL)
-        w_t = rho'_t, or min(rho'_t, C) with is_cap = C (TIS); a constant for the gradient
-        kept: every valid token; with is_mask = M (MIS), only those with 1/M <= rho'_t <= M: the
+        w_t = rho'_t, or min(rho^L, C) with is_cap = C (TIS); a constant for the gradient
+        kept: every valid token; with is_mask = M (MIS), only those with 1/M <= rho^L <= M: the
               others leave the sum and the normaliser (their KL term too), for every centre
+        rho^L = rho'_t                                     is_level="token" (default)
+              = R_i = prod_s rho'_s = exp(sum_s log rho'_s)   "sequence"   on every token t of sequence i; s runs
+              = G_i = R_i^(1/n_i) = exp(mean_s log rho'_s)    "geometric"  over its n_i valid tokens (module doc)
         kl_t = log pi_theta - log pi_ref  (k1)  |  1/2 (log pi_theta - log pi_ref)^2  (k2)
              | pi_ref/pi_theta - 1 - log(pi_ref/pi_theta)  (k3, default)        (see `kl_penalty`)
-
-    o_t is `surrogate_per_token`'s; an engine with its own aggregation and KL term (verl_grpo.py) calls it alone.
 
     [A] (Mroueh et al. 2025, Algorithm 1) writes the surrogate as f_eps(rho, rho', A): the ratio
     is clipped around rho', the ratio of the policy at the start of the step, not around 1, so
@@ -335,47 +341,40 @@ def policy_loss(
     taken at r = 1, where neither clip acts: both give the same rho'-weighted REINFORCE gradient.
 
     is_cap applies to the decoupled centre only: it truncates the weight w, and the "current" and
-    "behaviour" centres have no separate weight (rho' sits inside rho), so is_cap with them raises.
+    "behaviour" centres have no separate weight (rho' sits inside rho), so is_cap with them raises. A sequence
+    level replaces w by min(R, C) or min(G, C) (sequence TIS) and masks whole sequences (sequence MIS); without
+    is_cap, w stays rho'_t on the tokens MIS keeps. The clip of the "current" centre stays around rho'_t.
 
     Legend (symbol -> argument):
         pi_theta -> logp (N, T), with grad;   alpha -> behaviour_logp (N, T);
         pi_k -> current_logp (N, T), None means "equal to behaviour_logp" (rho' = 1);
         pi_ref -> ref_logp (N, T), None means no KL term;   A -> advantages (N,);
         eps_low -> clip_eps;   eps_high -> clip_eps_high (None means clip_eps);   beta -> beta;
-        C -> is_cap;   M -> is_mask.
+        C -> is_cap;   M -> is_mask;   L -> is_level.
 
     Args:
         completion_mask: (N, T), 1 on valid completion tokens (EOS included).
         agg, max_new_tokens, total: the aggregation; see the module docstring. With is_mask and
             micro-batches, `total` must count only the kept tokens of the whole step (`mis_keep_mask`).
-        is_cap: C >= 1, decoupled centre only (TIS); None: no cap.
-        is_mask: M >= 1, any centre (MIS); None: every valid token stays.
-        kl_estimator: "k1", "k2" or "k3".
+        is_cap, is_mask: C >= 1, decoupled centre only (TIS); M >= 1, any centre (MIS); None: off.
+        is_level: "token", "sequence" or "geometric", the ratio rho^L of is_cap and is_mask (needs one of them).
 
     Returns:
-        loss: scalar tensor.
-        stats: floats over the valid tokens (completion_mask, MIS-dropped ones included):
-            clip_low / clip_high (fraction of tokens whose gradient the clip removed, below / above
-            the interval; a dropped token is never counted), kl (mean of the chosen estimator; 0
-            without a KL term), ratio_mean (of rho), `tokens` (their count). How far alpha is from pi_k
-            (rho' quantiles, TIS / MIS fractions) does not depend on pi_theta: `sampler_mismatch_stats`,
-            called once on the whole step (step.update does), not once per micro-batch.
+        loss: scalar tensor; o_t is `surrogate_per_token`'s.
+        stats: floats over the valid tokens (completion_mask, MIS-dropped ones included): clip_low / clip_high
+            (fraction of tokens whose gradient the clip removed, below / above the interval; a dropped token is
+            never counted), kl (mean of the chosen estimator; 0 without a KL term), ratio_mean (of rho), `tokens`
+            (their count). How far alpha is from pi_k (rho' quantiles, TIS / MIS fractions) does not depend on
+            pi_theta: `sampler_mismatch_stats`, called once on the whole step (step.update), not per micro-batch.
     """
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
     behaviour_logp, current_logp, ref_logp = neutral_outside(
         completion_mask, logp, behaviour_logp, current_logp, ref_logp
     )
+    kw = dict(clip_eps=clip_eps, clip_eps_high=clip_eps_high, clip_center=clip_center, is_cap=is_cap, is_mask=is_mask)
     objective, ratio, clip_low, clip_high, keep = surrogate_per_token(
-        logp,
-        behaviour_logp,
-        current_logp,
-        advantages,
-        clip_eps=clip_eps,
-        clip_eps_high=clip_eps_high,
-        clip_center=clip_center,
-        is_cap=is_cap,
-        is_mask=is_mask,
+        logp, behaviour_logp, current_logp, advantages, **kw, is_level=is_level, completion_mask=completion_mask
     )
     mask = completion_mask.to(logp.dtype)  # (N, T)
     # MIS: the tokens that stay in the loss and its normaliser.
