@@ -11,12 +11,14 @@ the same words re-tokenised, its loss is "dapo" (token-level, like our token-mea
 transformers' default AdamW.
 
 `subclass_step_times` runs stock GRPOTrainer, then this project's OffPolicyGRPOTrainer at v = 1 and v = 4
-(integrations/trl_grpo.py), one after the other in one process, on one model.
+(integrations/trl_grpo.py), one after the other, each in a process of its own (so each peak memory is its own),
+on one model: v = 4 against v = 1 against stock TRL, side by side.
 
 In both, a step is the time between two step ends (the first from `on_train_begin`), so it includes
 everything TRL does in a step; the first `warmup` steps are dropped.
 """
 
+import multiprocessing
 import random
 import statistics
 import tempfile
@@ -123,29 +125,55 @@ def trl_step_times(cfg, model_path: str, tok, texts: list[str], warmup: int, ste
     }
 
 
-def subclass_step_times(cfg, model_path: str, tok, texts: list[str], warmup: int, steps: int) -> dict:
-    """Stock GRPOTrainer, then OffPolicyGRPOTrainer at v = 1 and v = 4, on the same model, prompts and sizes.
-
-    Name -> median and mean seconds per step; the mean includes the refreshes of v = 4 (choose `steps` a
-    multiple of 4 so that it covers whole refresh cycles)."""
+def _subclass_run(queue, name: str, threads: int, cfg, model_path: str, tok, texts, warmup: int, steps: int):
+    """One run of `subclass_step_times` in a process of its own: its step times and its peak memory."""
     from trl import GRPOConfig, GRPOTrainer
 
     from integrations.trl_grpo import OffPolicyGRPOConfig, OffPolicyGRPOTrainer
 
+    torch.set_num_threads(threads)
     device = torch.device(cfg.device)
     n = cfg.prompts_per_step * cfg.group_size
     kw = _common(cfg, cfg.micro_batch or n, warmup + steps)
+    if name == "TRL GRPOTrainer":
+        times = _train(GRPOTrainer, GRPOConfig, model_path, tok, texts, warmup, device, **kw)
+    else:
+        v = kw["offpolicy_steps"] = int(name.split("=")[1])
+        # one generation takes v steps' prompts: whole cycles of them (the prompts cycle; timing does not care)
+        cycle = cfg.prompts_per_step * v
+        texts = (texts * cycle)[: -(-len(texts) // cycle) * cycle]
+        times = _train(OffPolicyGRPOTrainer, OffPolicyGRPOConfig, model_path, tok, texts, warmup, device, **kw)
+    queue.put((times, peak_memory_gb(device)))
+
+
+def subclass_step_times(cfg, model_path: str, tok, texts: list[str], warmup: int, steps: int) -> dict:
+    """Stock GRPOTrainer, then OffPolicyGRPOTrainer at v = 1 and v = 4, on the same model, prompts and sizes.
+
+    Each run is a process of its own (spawned), so that its peak memory (CUDA: allocated; CPU: resident, which
+    includes Python, torch and the model's load) is its own. v = 4 generates one batch for 4 optimizer steps on
+    TRL's schedule (steps_per_generation = 4 * GA) and keeps no copy of the weights: its peak differs from v = 1's
+    only by generating 4 steps' rows at once. Name -> median and mean seconds per step, steps, peak memory (GB);
+    the mean includes the generation steps of v = 4 (choose `steps` a multiple of 4 to cover whole cycles)."""
+    ctx = multiprocessing.get_context("spawn")
     results = {}
-    for name, cls, config_cls, extra in (
-        ("TRL GRPOTrainer", GRPOTrainer, GRPOConfig, {}),
-        ("ours v=1", OffPolicyGRPOTrainer, OffPolicyGRPOConfig, {}),
-        ("ours v=4", OffPolicyGRPOTrainer, OffPolicyGRPOConfig, {"offpolicy_steps": 4}),
-    ):
-        times = _train(cls, config_cls, model_path, tok, texts, warmup, device, **kw, **extra)
-        results[name] = {"median_s": statistics.median(times), "mean_s": statistics.fmean(times), "steps": len(times)}
+    for name in ("TRL GRPOTrainer", "ours v=1", "ours v=4"):
+        queue = ctx.Queue()
+        args = (queue, name, torch.get_num_threads(), cfg, model_path, tok, texts, warmup, steps)
+        proc = ctx.Process(target=_subclass_run, args=args)
+        proc.start()
+        proc.join()
+        if proc.exitcode != 0:
+            raise RuntimeError(f"{name}: its process exited with status {proc.exitcode}")
+        times, peak = queue.get(timeout=60)
+        # fmt: off
+        results[name] = {"median_s": statistics.median(times), "mean_s": statistics.fmean(times),
+                         "steps": len(times), "peak_mem_gb": peak}
+        # fmt: on
         print(
-            f"{name:<16} step median {results[name]['median_s']:.3f} s, mean {results[name]['mean_s']:.3f} s "
-            f"({len(times)} steps after {warmup} warm-up)",
+            f"{name:<16} step median {results[name]['median_s']:.3f} s, mean {results[name]['mean_s']:.3f} s, "
+            f"peak memory {peak:.3f} GB ({len(times)} steps after {warmup} warm-up)",
             flush=True,
         )
+    v1, v4 = results["ours v=1"]["peak_mem_gb"], results["ours v=4"]["peak_mem_gb"]
+    print(f"peak memory, v=4 against v=1: {100 * (v4 / v1 - 1):+.1f}%", flush=True)
     return results
