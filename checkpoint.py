@@ -1,8 +1,9 @@
 """Checkpoints for exact resume: everything the next step depends on, written atomically.
 
-A checkpoint holds the policy, the unfinished refresh cycle (its batches, rewards and log alpha, drawn
-from a policy the current weights cannot reproduce), the reference pi_ref (when beta > 0), the optimizer,
-the step, every random state (Python, torch, the sampling generator) and the data-order position.
+A checkpoint holds the policy (its trainable weights: under LoRA the adapter alone), the unfinished refresh
+cycle (its batches, rewards and log alpha, drawn from a policy the current weights cannot reproduce), the
+reference pi_ref (when beta > 0), the optimizer, the step, every random state (Python, torch, the sampling
+generator) and the data-order position.
 Resuming from it and running to the end gives bit-for-bit the weights of the uninterrupted run on the
 same machine (tests/test_robust.py shows it, killing a run mid-cycle).
 
@@ -57,6 +58,28 @@ def save_checkpoint(out: str, state: dict, step: int, keep: int) -> Path:
 
 def load_checkpoint(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def policy_state(policy) -> dict:
+    """The weights a checkpoint keeps: every tensor, or under LoRA the adapter's alone (the base is frozen)."""
+    if hasattr(policy, "peft_config"):
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(policy)
+    return policy.state_dict()
+
+
+def load_policy_state(policy, state: dict) -> None:
+    """policy_state's inverse; a LoRA checkpoint must hold every adapter weight of the policy."""
+    if hasattr(policy, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        unexpected = set_peft_model_state_dict(policy, state).unexpected_keys
+        missing = [k for k in policy_state(policy) if k not in state]
+        if missing or unexpected:
+            raise KeyError(f"the checkpoint does not match the LoRA adapter: missing {missing[:3]}")
+        return
+    policy.load_state_dict(state)
 
 
 def rng_state(gen: torch.Generator) -> dict:

@@ -94,6 +94,13 @@ class Config:
     is_mask: float | None = arg(
         None, "MIS: tokens whose rho' lies outside [1/M, M] leave the loss and its normaliser (M >= 1)"
     )
+    is_level: str = arg(
+        "token",
+        "what --is-cap / --is-mask act on: token (rho'_t), sequence (the product of the sequence's rho'_t: TRL's "
+        "sequence_truncate / sequence_mask, verl's sequence TIS / seq_sum_k1), geometric (their geometric mean: "
+        "verl's Geo-RS, seq_mean_k1)",
+        ["token", "sequence", "geometric"],
+    )
     kl_estimator: str = arg(
         "k3", "KL estimator: k1 = log(pi_theta/pi_ref), k2 = k1^2 / 2, k3 (Schulman)", ["k1", "k2", "k3"]
     )
@@ -111,6 +118,19 @@ class Config:
     max_grad_norm: float = arg(1.0, "gradient-norm clipping")
     inner_steps: int = arg(1, "optimizer steps on each batch ([A]'s i); > 1 reuses samples")
     micro_batch: int | None = arg(None, "sequences per forward/backward chunk (default: the whole batch N)")
+    # --- fitting the model in memory (run_io.fit_policy) -----------------------------------------
+    gradient_checkpointing: bool = arg(
+        False, "recompute each decoder layer's activations in the backward (transformers', non-reentrant)"
+    )
+    param_dtype: str = arg(
+        "float32",
+        "dtype of the trained weights and their gradients: float32, or bfloat16 (every pass in bfloat16; AdamW "
+        "keeps float32 moments and rounds each update stochastically into the weights: step.BF16AdamW)",
+        ["float32", "bfloat16"],
+    )
+    lora_rank: int = arg(0, "LoRA rank r (0 = full fine-tuning); needs peft. pi_ref is the base, adapter off")
+    lora_alpha: float = arg(32.0, "LoRA's alpha: the adapter's update is scaled by alpha / r")
+    lora_targets: str = arg("all-linear", "modules LoRA adapts: all-linear (peft's), or comma-separated names")
     # --- built-in tiny policy -------------------------------------------------------------------
     warmup_steps: int = arg(
         1000,
@@ -221,6 +241,12 @@ def validate(cfg: Config) -> None:
         (cfg.save_every >= 0, "--save-every must be >= 0"),
         (cfg.keep_checkpoints >= 1, "--keep-checkpoints must be >= 1"),
         (cfg.sample_rows >= 1, "--sample-rows must be >= 1"),
+        (cfg.lora_rank >= 0, "--lora-rank must be >= 0 (0 = full fine-tuning)"),
+        (cfg.lora_alpha > 0, "--lora-alpha must be > 0"),
+        (
+            not (cfg.lora_rank and cfg.ref_refresh),
+            "--ref-refresh needs full fine-tuning (with LoRA pi_ref is the base)",
+        ),
     ]
     for f in fields(Config):
         value, choices = getattr(cfg, f.name), f.metadata["choices"]
@@ -240,6 +266,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("--is-cap needs --loss grpo --clip-center decoupled and a value >= 1")
     if cfg.is_mask is not None and (cfg.loss != "grpo" or cfg.is_mask < 1):
         raise ConfigError("--is-mask needs --loss grpo and a value >= 1")
+    if cfg.is_level != "token" and cfg.is_cap is None and cfg.is_mask is None:
+        raise ConfigError(f"--is-level {cfg.is_level} sets what --is-cap / --is-mask act on; neither is set")
     if cfg.ref_refresh and cfg.beta == 0:
         raise ConfigError("--ref-refresh needs --beta > 0 (without KL there is no reference model)")
     # A flag that cannot act in this run is an error, not a silent no-op.
@@ -252,6 +280,8 @@ def validate(cfg: Config) -> None:
         ("kl_estimator", cfg.beta == 0 or cfg.loss != "grpo", "the KL estimator needs --loss grpo and --beta > 0"),
         ("tau_reg", cfg.loss != "opmd", "--tau-reg is OPMD's regulariser (--loss opmd)"),
         ("red_tau", cfg.red != "weight", "--red-tau is RED-Weight's temperature (--red weight)"),
+        ("lora_alpha", cfg.lora_rank == 0, "--lora-alpha scales a LoRA adapter (--lora-rank > 0)"),
+        ("lora_targets", cfg.lora_rank == 0, "--lora-targets names a LoRA adapter's modules (--lora-rank > 0)"),
     ]
     for name, idle, why in cannot_act:
         if name in changed and idle:

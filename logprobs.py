@@ -85,15 +85,22 @@ def has_plain_head(model) -> bool:
     return isinstance(head, torch.nn.Linear) and not odd and hasattr(model, "get_decoder")
 
 
+def checkpointed(model) -> bool:
+    """True when transformers' gradient checkpointing is on (its attribute's name depends on the version)."""
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else None
+    return bool(getattr(model, name or "is_gradient_checkpointing", False))
+
+
 def completion_states(decoder, input_ids, attention_mask, pos, t: int) -> torch.Tensor:
     """The hidden states (N, T, H) that predict the T completion tokens. Adjacent rows with one prompt (a group)
     run it once, its KV cache indexed per row (differentiably): one plain pass's values and gradients, for less."""
     p = input_ids.shape[1] - t
     same = ((input_ids[1:, :p] == input_ids[:-1, :p]) & (attention_mask[1:, :p] == attention_mask[:-1, :p])).all(1)
     first = torch.cat([same.new_ones(1), ~same])  # (N,) the row starts a new prompt
-    # Nothing shared: one pass; the state at position i predicts token i+1.
-    if p == 0 or bool(first.all()):
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).last_hidden_state
+    # Nothing shared, or gradient checkpointing (its layers keep no KV cache): one pass; state i predicts token i+1.
+    if p == 0 or bool(first.all()) or (decoder.training and torch.is_grad_enabled() and checkpointed(decoder)):
+        out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False)
+        hidden = out.last_hidden_state  # (N, P+T, H)
         return hidden[:, p - 1 : p - 1 + t]  # (N, T, H): completion token j sits at P+j
     # The prompts' pass makes its own KV cache (the model's default, a DynamicCache), returned with the output.
     out = decoder(

@@ -55,6 +55,42 @@ class Rollout:
         return torch.cat([self.prompt_mask, self.completion_mask], dim=1)  # (N, P+T)
 
 
+@dataclass
+class Sampled:
+    """One step's batch, drawn from alpha at its cycle's refresh (step.sample_cycle)."""
+
+    rollout: Rollout
+    rewards: torch.Tensor  # (N,)
+    alpha_logp: torch.Tensor | None  # (N, T) log alpha; None: alpha = pi_k (the refresh step, --alpha-logp recompute)
+
+
+@dataclass
+class Cycle:
+    """The batches of one refresh cycle: steps start, start + 1, ..., sampled at once from alpha = pi_theta of
+    step `start` (step.py's module docstring). `times` holds the refresh's sampling, scoring and log-alpha seconds."""
+
+    start: int
+    batches: list[Sampled]
+    times: dict
+
+    def covers(self, step: int) -> bool:
+        return self.start <= step < self.start + len(self.batches)
+
+    def state(self) -> dict:
+        """Plain tensors, ints and dicts: what a checkpoint stores (torch.load(weights_only=True) reads it)."""
+        batches = [{"rollout": vars(b.rollout), "rewards": b.rewards, "alpha_logp": b.alpha_logp} for b in self.batches]
+        return {"start": self.start, "batches": batches}
+
+    @classmethod
+    def from_state(cls, state: dict, device) -> "Cycle":
+        to = lambda x: None if x is None else x.to(device)  # noqa: E731
+        batches = [
+            Sampled(Rollout(**{k: to(v) for k, v in b["rollout"].items()}), to(b["rewards"]), to(b["alpha_logp"]))
+            for b in state["batches"]
+        ]
+        return cls(state["start"], batches, times={})
+
+
 @torch.no_grad()
 def generate(
     model,

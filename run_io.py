@@ -11,6 +11,7 @@ Everything is written to a temporary name first and renamed into place, so a cra
 leaves a half-written file that looks complete.
 """
 
+import contextlib
 import json
 import os
 import resource
@@ -33,10 +34,24 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def peak_memory_gb(device: torch.device) -> float:
-    """Peak accelerator memory allocated (cuda) or peak resident memory of the process (cpu)."""
+    """Peak accelerator memory allocated (cuda) or peak resident memory of the process (cpu), since the start
+    or the last `reset_peak_memory`."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # ru_maxrss is in KiB on Linux
+    try:
+        with open("/proc/self/status") as f:  # Linux: VmHWM, the resident high-water mark, in kB
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1e6
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # ru_maxrss is in KiB on Linux
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start peak_memory_gb afresh: CUDA's peak statistics, or Linux's resident high-water mark."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # "5" resets VmHWM to the current resident set (Linux >= 4.0)
 
 
 def current_memory_gb(device: torch.device) -> float:
@@ -136,6 +151,49 @@ def load_policy(cfg: Config, log=print):
     n_params = sum(p.numel() for p in model.parameters())
     log(f"policy: {cfg.model} ({n_params / 1e6:.2f}M parameters) on {cfg.device}, {cfg.dtype}")
     return model, tok
+
+
+def fit_policy(cfg: Config, model):
+    """The policy as the run trains it: dropout off, then the memory levers (README, "Fitting the model").
+
+    1. Every dropout probability is set to 0 (nn.Dropout and attention-dropout attributes), so that pi_theta,
+       pi_k, alpha and pi_ref are one deterministic network in train mode too, which checkpointing needs.
+    2. --param-dtype bfloat16: the weights, and so their gradients and every pass, in bfloat16.
+    3. --gradient-checkpointing: transformers' own, non-reentrant; each decoder layer's forward runs again
+       in the backward instead of keeping its activations.
+    4. --lora-rank r: peft's LoRA (no dropout) on --lora-targets; only the adapter requires grad, and pi_ref
+       is this model with the adapter disabled (step.ref_logprobs): no second copy.
+    A model that cannot take a lever is a ConfigError naming the flag.
+    """
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        for name, value in list(vars(m).items()):
+            if "dropout" in name and isinstance(value, float):  # e.g. attention_dropout of transformers' attention
+                setattr(m, name, 0.0)
+    if cfg.param_dtype == "bfloat16":
+        model.to(torch.bfloat16)
+    if cfg.gradient_checkpointing:
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise ConfigError(f"--gradient-checkpointing: {type(model).__name__} does not support it")
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x: the new name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.lora_rank:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            raise ConfigError("--lora-rank needs the peft package (pip install peft, or the [lora] extra)") from None
+        targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")
+        lora = LoraConfig(
+            r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM"
+        )
+        try:
+            model = get_peft_model(model, lora)
+        except ValueError as e:
+            raise ConfigError(f"--lora-targets {cfg.lora_targets}: {str(e).splitlines()[0][:200]}") from None
+    return model
 
 
 class RunWriter:

@@ -27,6 +27,7 @@ Deviations from [A]:
      rest of its cycle, steps k, ..., up to the next multiple of v, from pi_theta then.
 """
 
+import contextlib
 import copy
 import time
 from collections.abc import Callable
@@ -39,7 +40,8 @@ from config import Config
 from logprobs import token_logprobs
 from objective import aggregation_total, mis_keep_mask, policy_loss, sampler_mismatch_stats
 from reinforce import opmd_loss, rec_loss
-from rollout import Rollout, generate_batches
+from rollout import Cycle, Rollout, Sampled, generate_batches
+from run_io import fit_policy
 
 
 @dataclass
@@ -49,13 +51,69 @@ class Models:
 
     policy: torch.nn.Module  # pi_theta
     opt: torch.optim.Optimizer
-    ref: torch.nn.Module | None  # pi_ref, a frozen copy; None when beta = 0 (no KL term)
+    ref: torch.nn.Module | None  # pi_ref, a frozen copy; None without KL (beta = 0) and under LoRA (adapter off)
 
 
 def make_models(cfg: Config, policy: torch.nn.Module) -> Models:
-    """AdamW on the policy, and pi_ref (a copy without gradients, in eval mode) only when beta > 0."""
-    ref = copy.deepcopy(policy).requires_grad_(False).eval() if cfg.beta > 0 else None
-    return Models(policy, torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay), ref)
+    """The policy fitted to memory (run_io.fit_policy), AdamW over its trainable weights (BF16AdamW for bfloat16
+    ones), and pi_ref when beta > 0: a copy without gradients in eval mode, none under LoRA (the adapter off)."""
+    policy = fit_policy(cfg, policy)
+    params = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapter only
+    if cfg.param_dtype == "bfloat16":
+        opt = BF16AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed)
+    else:
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    ref = copy.deepcopy(policy).requires_grad_(False).eval() if cfg.beta > 0 and not cfg.lora_rank else None
+    return Models(policy, opt, ref)
+
+
+class BF16AdamW(torch.optim.Optimizer):
+    """AdamW for bfloat16 weights (--param-dtype bfloat16): float32 moments, the update computed in float32 as
+    torch's AdamW computes it, then rounded stochastically into the bfloat16 weight, so that E[w_new] is the
+    float32 result. Plain AdamW on bfloat16 weights rounds to nearest, which loses every update smaller than half
+    a weight's bfloat16 spacing (2^-9 of its size: at lr 2e-5 most of them). Costs 12 bytes a parameter (weight
+    2, gradient 2, moments 8) against float32's 16. Float32 parameters (a LoRA adapter) take the same update,
+    unrounded. Step s of parameter i draws its rounding noise from a generator seeded by (seed, s, i): a resumed
+    run rounds as the uninterrupted one would."""
+
+    def __init__(self, params, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), eps=1e-8, seed: int = 0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.seed = seed
+
+    @torch.no_grad()
+    def step(self):
+        params = (p for group in self.param_groups for p in group["params"])
+        index = {id(p): i for i, p in enumerate(params)}  # the parameter's place: its own rounding stream
+        for group in self.param_groups:
+            (b1, b2), lr = group["betas"], group["lr"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p, dtype=torch.float32))
+                    st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                st["step"] += 1
+                s, g, w = int(st["step"]), p.grad.float(), p.float()  # float32 copies
+                w.mul_(1 - lr * group["weight_decay"])
+                st["exp_avg"].lerp_(g, 1 - b1)
+                st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+                denom = (st["exp_avg_sq"].sqrt() / (1 - b2**s) ** 0.5).add_(group["eps"])
+                w.addcdiv_(st["exp_avg"], denom, value=-lr / (1 - b1**s))
+                if p.dtype == torch.bfloat16:
+                    seed = (self.seed * 1_000_003 + s) * 65_537 + index[id(p)]
+                    gen = torch.Generator(device=p.device).manual_seed(seed)
+                    noise = torch.randint(0, 1 << 16, w.shape, generator=gen, device=p.device, dtype=torch.int32)
+                    w = ((w.view(torch.int32) + noise) & -65536).view(torch.float32)  # low 16 bits: exact in bf16
+                p.copy_(w)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's, which casts the moments to the parameter's dtype; here they stay float32."""
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, st in state_dict["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                self.state[params[i]][key] = st[key].to(params[i].device, torch.float32, copy=True)
 
 
 @dataclass
@@ -79,42 +137,6 @@ class StepResult:
     alpha_logp: torch.Tensor | None  # (N, T) log alpha from a full forward; None: no update, or none ran
     stats: dict  # update()'s averages, or skipped_no_signal when no group had signal
     times: dict  # seconds: refresh, sample, score, logprob, update
-
-
-@dataclass
-class Sampled:
-    """One step's batch, drawn from alpha at its cycle's refresh."""
-
-    rollout: Rollout
-    rewards: torch.Tensor  # (N,)
-    alpha_logp: torch.Tensor | None  # (N, T) log alpha; None: alpha = pi_k (the refresh step, --alpha-logp recompute)
-
-
-@dataclass
-class Cycle:
-    """The batches of one refresh cycle: steps start, start + 1, ..., sampled at once from alpha = pi_theta of
-    step `start` (module docstring). `times` holds the refresh's sampling, scoring and log-alpha seconds."""
-
-    start: int
-    batches: list[Sampled]
-    times: dict
-
-    def covers(self, step: int) -> bool:
-        return self.start <= step < self.start + len(self.batches)
-
-    def state(self) -> dict:
-        """Plain tensors, ints and dicts: what a checkpoint stores (torch.load(weights_only=True) reads it)."""
-        batches = [{"rollout": vars(b.rollout), "rewards": b.rewards, "alpha_logp": b.alpha_logp} for b in self.batches]
-        return {"start": self.start, "batches": batches}
-
-    @classmethod
-    def from_state(cls, state: dict, device) -> "Cycle":
-        to = lambda x: None if x is None else x.to(device)  # noqa: E731
-        batches = [
-            Sampled(Rollout(**{k: to(v) for k, v in b["rollout"].items()}), to(b["rewards"]), to(b["alpha_logp"]))
-            for b in state["batches"]
-        ]
-        return cls(state["start"], batches, times={})
 
 
 def sample_cycle(cfg: Config, models: Models, tokenizer, start: int, draws: list, gen, *, ignore_eos, fast) -> Cycle:
@@ -211,6 +233,7 @@ def loss_fn(cfg: Config, logp, behaviour_logp, current_logp, ref_logp, adv, mask
             beta=cfg.beta,
             is_cap=cfg.is_cap,
             is_mask=cfg.is_mask,
+            is_level=cfg.is_level,
             kl_estimator=cfg.kl_estimator,
             **clip,
             **common,
@@ -218,6 +241,16 @@ def loss_fn(cfg: Config, logp, behaviour_logp, current_logp, ref_logp, adv, mask
     if cfg.loss in ("rec", "rec-is"):
         return rec_loss(**logps, importance_weight=cfg.loss == "rec-is", **clip, **common)
     return opmd_loss(**logps, tau_reg=cfg.tau_reg, **common)
+
+
+def ref_logprobs(cfg: Config, models: Models, ro: Rollout) -> torch.Tensor | None:
+    """log pi_ref (N, T) without grad, None without a KL term; under LoRA pi_ref is the policy, adapter off."""
+    if cfg.beta == 0:
+        return None
+    ref = models.ref if models.ref is not None else models.policy
+    off = models.policy.disable_adapter() if models.ref is None else contextlib.nullcontext()
+    with torch.no_grad(), autocast(cfg, ro.input_ids.device), off:
+        return token_logprobs(ref, ro.input_ids, ro.attention_mask, ro.completion_mask, cfg.temperature)
 
 
 def policy_logprobs(cfg: Config, policy, batch: Batch, rows=slice(None)) -> torch.Tensor:
@@ -235,9 +268,10 @@ def update(cfg: Config, policy, opt, batch: Batch, behaviour_logp, ref_logp) -> 
     inner epoch, like log pi_k. Micro-batch losses are normalised by the whole step's total,
     so their summed gradients equal the whole-batch gradient.
 
-    The policy runs in eval mode: dropout off in every log-prob pass, so that pi_theta, pi_k and alpha are
-    one network (with dropout, rho would differ from 1 even where pi_theta = alpha; TRL's `disable_dropout`
-    makes the same choice). Gradients flow as in train mode.
+    Dropout is off in every log-prob pass, so that pi_theta, pi_k and alpha are one network (with dropout, rho
+    would differ from 1 even where pi_theta = alpha; TRL's `disable_dropout` makes the same choice): the policy
+    runs in eval mode, or, with --gradient-checkpointing (which acts in train mode only), in train mode with
+    every dropout probability 0 (run_io.fit_policy). Gradients flow the same in both.
 
     Returns the statistics averaged over tokens and inner steps, and log pi_k (N, T): the first
     epoch's log-probs, taken before any optimizer step moved the policy.
@@ -245,7 +279,7 @@ def update(cfg: Config, policy, opt, batch: Batch, behaviour_logp, ref_logp) -> 
     ids, mask, adv = batch.input_ids, batch.loss_mask, batch.advantages
     n = ids.shape[0]
     mb = cfg.micro_batch or n
-    policy.eval()
+    policy.train(cfg.gradient_checkpointing)
     pi_k_logp = torch.zeros_like(mask, dtype=torch.float32)  # (N, T) log pi_k, filled in epoch 0
     keep = torch.ones_like(mask, dtype=torch.bool)  # (N, T) the tokens in the normaliser
     pi_k_first = cfg.is_mask is not None and behaviour_logp is not None
@@ -255,7 +289,7 @@ def update(cfg: Config, policy, opt, batch: Batch, behaviour_logp, ref_logp) -> 
         with torch.no_grad():
             for s in range(0, n, mb):
                 pi_k_logp[s : s + mb] = policy_logprobs(cfg, policy, batch, slice(s, s + mb))
-        keep = mis_keep_mask(behaviour_logp, pi_k_logp, cfg.is_mask)  # (N, T)
+        keep = mis_keep_mask(behaviour_logp, pi_k_logp, cfg.is_mask, completion_mask=mask, is_level=cfg.is_level)
     total = aggregation_total(mask * keep, cfg.agg, cfg.max_new_tokens)
     sums, tokens, grad_norms, skipped, loss_sum = {}, 0.0, [], 0, 0.0
     for epoch in range(cfg.inner_steps):
@@ -291,7 +325,8 @@ def update(cfg: Config, policy, opt, batch: Batch, behaviour_logp, ref_logp) -> 
     alpha_logp = pi_k_logp if behaviour_logp is None else behaviour_logp
     # rho' = pi_k / alpha does not depend on pi_theta: its quantiles, max and the TIS / MIS fractions are
     # the whole step's, exact whatever the micro-batching.
-    stats.update(sampler_mismatch_stats(alpha_logp, pi_k_logp, mask, is_cap=cfg.is_cap, is_mask=cfg.is_mask))
+    corrections = dict(is_cap=cfg.is_cap, is_mask=cfg.is_mask, is_level=cfg.is_level)
+    stats.update(sampler_mismatch_stats(alpha_logp, pi_k_logp, mask, **corrections))
     stats.update(
         loss=loss_sum / cfg.inner_steps,
         grad_norm=sum(grad_norms) / len(grad_norms),
@@ -342,22 +377,11 @@ def grpo_step(
 
     # ---- 4. group-relative advantages within the step's own groups (zero-std groups leave the loss) ----
     adv, valid = compute_advantages(cfg, rewards, gen)  # (N,) each
-    batch = Batch(
-        ro.input_ids,
-        ro.attention_mask,
-        ro.completion_mask,
-        loss_mask=ro.completion_mask * valid.unsqueeze(1),
-        advantages=adv,
-    )  # loss_mask (N, T)
+    batch = Batch(ro.input_ids, ro.attention_mask, ro.completion_mask, ro.completion_mask * valid[:, None], adv)
     times["score"], t = times["score"] + clock(device) - t, clock(device)
 
     # ---- 5. log pi_ref without grad, with a KL term ----
-    with torch.no_grad(), autocast(cfg, device):
-        ref_logp = (
-            None
-            if models.ref is None
-            else token_logprobs(models.ref, ro.input_ids, ro.attention_mask, ro.completion_mask, cfg.temperature)
-        )  # (N, T)
+    ref_logp = ref_logprobs(cfg, models, ro)  # (N, T), None without a KL term
     times["logprob"], t = times["logprob"] + clock(device) - t, clock(device)
 
     # ---- 6. update: --inner-steps optimizer steps on the clipped surrogate ----

@@ -27,13 +27,22 @@ import time
 import torch
 from tqdm import tqdm
 
-from checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from checkpoint import (
+    checkpoint_dir,
+    latest_checkpoint,
+    load_checkpoint,
+    load_policy_state,
+    policy_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from config import Config, ConfigError, build_parser, config_from_args, validate
 from decoding import sampling_path
 from reward import math_reward
-from rollout import Rollout, generate
+from rollout import Cycle, Rollout, generate
 from run_io import RunWriter, current_memory_gb, load_policy, peak_memory_gb
-from step import Cycle, Models, StepResult, grpo_step, make_models
+from step import Models, StepResult, grpo_step, make_models
 from tasks import Problem, TaskError, encode_prompts, fit_context, load_task
 
 
@@ -134,7 +143,7 @@ def checkpoint_state(
     samples those of the uninterrupted run.
     """
     state = {
-        "policy": models.policy.state_dict(),
+        "policy": policy_state(models.policy),
         "optimizer": models.opt.state_dict(),
         "rng": rng_state(gen),
         "step": step,
@@ -158,7 +167,7 @@ def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunW
         raise ConfigError(f"--resume: no complete checkpoint in {checkpoint_dir(cfg.out)}")
     # torch.load with weights_only=True: a checkpoint is data, never code.
     ck = load_checkpoint(path)
-    models.policy.load_state_dict(ck["policy"])
+    load_policy_state(models.policy, ck["policy"])
     cycle = Cycle.from_state(ck["cycle"], cfg.device) if "cycle" in ck else None
     if models.ref is not None:
         models.ref.load_state_dict(ck["ref"])

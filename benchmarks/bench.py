@@ -45,11 +45,12 @@ import tempfile
 
 import torch
 
-from benchmarks.compare import compare
+import step
+from benchmarks.compare import FITS, compare, fit_name
 from config import Config, ConfigError, resolve, validate
 from decoding import sampling_path
 from integrations.trl_bench import subclass_step_times, trl_step_times
-from run_io import gguf_file, load_gguf, peak_memory_gb
+from run_io import current_memory_gb, gguf_file, load_gguf, peak_memory_gb, reset_peak_memory
 from step import clock, grpo_step, make_models
 
 PRESETS = {  # random-weight models with a real model's shape
@@ -81,12 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default="tiny", help=f"tiny (random weights), {', '.join(PRESETS)}, a folder, GGUF or hub id"
     )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16"],
-        help="as train.py: bfloat16 = autocast (float32 weights) of every pass, auto = bfloat16 on cuda",
-    )
+    dtypes = ["auto", "float32", "bfloat16"]
+    p.add_argument("--dtype", default="auto", choices=dtypes, help="as train.py: bfloat16 = autocast, auto on cuda")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     # --- the step -----------------------------------------------------------------------------------
     p.add_argument("--prompts", type=int, default=8, help="B, prompts per step")
@@ -94,29 +91,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=32, help="P, tokens per prompt (random ids)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="T, tokens per completion (every one runs to T)")
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient; > 0 adds the reference model's pass")
-    p.add_argument(
-        "--offpolicy-steps",
-        type=int,
-        nargs="+",
-        default=[1],
-        help="v, the refresh period (1 = on-policy); several: compared",
-    )
-    p.add_argument(
-        "--alpha-logp",
-        nargs="+",
-        choices=["recompute", "sampler"],
-        default=["recompute"],
-        help="log alpha of a cycle's later batches (train.py's flag); several: compared at every v > 1",
-    )
+    p.add_argument("--offpolicy-steps", type=int, nargs="+", default=[1], help="v (1 = on-policy); several: compared")
+    p.add_argument("--alpha-logp", nargs="+", choices=["recompute", "sampler"], default=["recompute"],
+                   help="log alpha of the later batches (train.py's flag); several: compared at v > 1")  # fmt: skip
     p.add_argument("--sample-rows", type=int, default=512, help="most rows per generate call at a refresh")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (default N)")
+    # --- fitting the model (train.py's flags; --fit runs several, one process each) --------------------------
+    p.add_argument("--gradient-checkpointing", action="store_true", help="as train.py: recompute in the backward")
+    p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"], help="as train.py")
+    p.add_argument("--lora-rank", type=int, default=0, help="as train.py: LoRA rank (0 = full fine-tuning)")
+    p.add_argument("--fit", nargs="+", choices=list(FITS), default=None,
+                   help="several ways to fit the model, one process each, then a memory table: " + ", ".join(
+                       f"{k} = {' '.join(v) or 'full fine-tuning, float32'}" for k, v in FITS.items()))  # fmt: skip
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    p.add_argument(
-        "--sampling",
-        default="auto",
-        choices=["auto", "plain", "fast"],
-        help="generate's path: auto (fast on CUDA), plain (the reference loop), fast (static cache)",
-    )
+    p.add_argument("--sampling", default="auto", choices=["auto", "plain", "fast"],
+                   help="generate's path: auto (fast on CUDA), plain (the loop), fast (static cache)")  # fmt: skip
     # --- timing -------------------------------------------------------------------------------------
     p.add_argument("--steps", type=int, default=5, help="timed steps, rounded up to whole refresh cycles")
     p.add_argument(
@@ -223,14 +212,28 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
         prompts = [make_prompts(tok, words, cfg.prompts_per_step, args.prompt_len, rng)[0].to(device) for _ in range(n)]
         return [(p, torch.ones_like(p), reward_fn) for p in prompts]  # (B, P) each, no padding
 
-    rows, cycle = [], None
-    for k in range(warmup + steps):
-        if k == warmup and device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        t = clock(device)
-        res, cycle = grpo_step(cfg, models, tok, k, gen, cycle, draw, ignore_eos=True, fast=fast)
-        if k >= warmup:
-            rows.append(dict(res.times, step=clock(device) - t, tokens=int(res.rollout.completion_mask.sum())))
+    rows, cycle, peaks, update_gb = [], None, [], []
+
+    def measured_update(*a, **kw):  # step.update, and the memory it adds at its peak: what checkpointing shrinks
+        peaks.append(peak_memory_gb(device))  # the peak so far survives the reset below
+        before = current_memory_gb(device)
+        reset_peak_memory(device)
+        out = plain_update(*a, **kw)
+        update_gb.append(peak_memory_gb(device) - before)
+        return out
+
+    plain_update, step.update = step.update, measured_update
+    try:
+        for k in range(warmup + steps):
+            if k == warmup:
+                reset_peak_memory(device)
+                peaks.clear()
+            t = clock(device)
+            res, cycle = grpo_step(cfg, models, tok, k, gen, cycle, draw, ignore_eos=True, fast=fast)
+            if k >= warmup:
+                rows.append(dict(res.times, step=clock(device) - t, tokens=int(res.rollout.completion_mask.sum())))
+    finally:
+        step.update = plain_update
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     mean = lambda key: statistics.fmean(r[key] for r in rows)  # noqa: E731
     return {
@@ -238,7 +241,8 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
         "step_s_mean": mean("step"),
         "phases": {p: mean(p) for p in PHASES},
         "tokens_per_s": mean("tokens") / mean("step"),
-        "peak_mem_gb": peak_memory_gb(device),
+        "peak_mem_gb": max([peak_memory_gb(device), *peaks]),
+        "update_mem_gb": max(update_gb[-steps:]) if update_gb else 0.0,
         "sampling_path": sampling_path(models.policy, fast),
         "timed_steps": steps,
         "warmup_steps": warmup,
@@ -262,7 +266,7 @@ def trl_prompts(cfg: Config, args, tok, words: list[int]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if len(args.offpolicy_steps) > 1 or len(args.alpha_logp) > 1:
+    if len(args.offpolicy_steps) > 1 or len(args.alpha_logp) > 1 or args.fit:
         return compare(args, sys.argv[1:] if argv is None else argv, root=ROOT, phases=PHASES)
     args.offpolicy_steps, args.alpha_logp = args.offpolicy_steps[0], args.alpha_logp[0]
     if args.threads:
@@ -279,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
             sample_rows=args.sample_rows,
             beta=args.beta,
             micro_batch=args.micro_batch,
+            gradient_checkpointing=args.gradient_checkpointing,
+            param_dtype=args.param_dtype,
+            lora_rank=args.lora_rank,
             seed=args.seed,
             device=args.device,
             dtype=args.dtype,
@@ -330,9 +337,13 @@ def main(argv: list[str] | None = None) -> int:
     for p in PHASES:
         print(f"{p:<10}{ours['phases'][p]:>10.4f}{ours['phases'][p] / ours['step_s_mean']:>8.1%}")
     print(f"{'step':<10}{ours['step_s_mean']:>10.4f}   (median {ours['step_s']:.4f})")
-    print(f"tokens/s {ours['tokens_per_s']:.0f}, peak memory {ours['peak_mem_gb']:.2f} GB")
+    print(
+        f"tokens/s {ours['tokens_per_s']:.0f}, peak memory {ours['peak_mem_gb']:.2f} GB, "
+        f"the update's own {ours['update_mem_gb']:.2f} GB"
+    )
 
-    keys = ("step_s", "phases", "tokens_per_s", "peak_mem_gb", "sampling_path", "step_s_mean", "timed_steps")
+    keys = ("step_s", "phases", "tokens_per_s", "peak_mem_gb", "update_mem_gb", "sampling_path", "step_s_mean")
+    keys += ("timed_steps",)
     result = {k: ours[k] for k in keys}
     result.update(
         model=args.model,
@@ -347,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         alpha_logp=cfg.alpha_logp,
         micro_batch=cfg.micro_batch or n,
         steps=args.steps,
+        fit=fit_name(cfg),
     )
     if use_trl:
         print(json.dumps(result), flush=True)  # ours, in case TRL does not finish; the full line follows
@@ -355,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            reset_peak_memory(device)  # CPU: TRL's own high-water mark, from what is resident once ours is freed
             theirs = trl_step_times(cfg, model_dir, tok, trl_prompts(cfg, args, tok, words), args.warmup, args.steps)
+            theirs["peak_mem_gb"] = theirs["peak_mem_gb"] or peak_memory_gb(device)
         ratio = ours["step_s"] / theirs["step_s"]
         mem = f", peak memory {theirs['peak_mem_gb']:.2f} GB" if theirs["peak_mem_gb"] is not None else ""
         print(
