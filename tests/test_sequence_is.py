@@ -335,3 +335,26 @@ def test_the_sequence_forms_are_verls_rollout_correction(level, option):
         # Sequence 0 is one token with log rho' ~ -300: verl clamps the log-ratio at -20 (its SAFETY_BOUND), we don't.
         assert weights[0, 0].item() == pytest.approx(math.exp(-20.0)) and w[0, 0] < 1e-100
         assert (weights == cap).any() and ((weights < cap) & (weights > 0)).any()
+
+
+@pytest.mark.model
+def test_train_py_runs_a_stale_step_with_geometric_mis_and_refuses_a_level_without_a_correction(
+    warm_cache, tmp_path, capsys
+):
+    import json
+
+    import train
+    from conftest import TEST_WARMUP
+
+    base = ["--steps", "4", "--offpolicy-steps", "4", "--prompts-per-step", "4", "--group-size", "4",
+            "--eval-size", "10", "--warmup-steps", str(TEST_WARMUP), "--cache-dir", warm_cache, "--no-progress",
+            "--lr", "1e-3"]  # fmt: skip
+    out = tmp_path / "geo"
+    args = ["--clip-center", "decoupled", "--is-mask", "1.001", "--is-level", "geometric", "--out", str(out)]
+    assert train.main(base + args) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    stale = [r for r in rows[1:] if "is_masked_frac" in r]
+    assert stale and max(r["is_masked_frac"] for r in stale) > 0  # a sequence outside [1/M, M] left the loss
+    assert train.main(base + ["--is-level", "sequence", "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "error: --is-level sequence sets what --is-cap / --is-mask act on; neither is set"
