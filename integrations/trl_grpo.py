@@ -43,8 +43,8 @@ resume step, from the checkpoint's policy, starting a new cycle there.
 Deviations from [A]: 1. log pi_k costs no pass (as in train.py); 2. held-out accuracy is greedy (HF generate).
 Departures from stock GRPOTrainer: README, "At scale: TRL". Not supported (one-line error): sequence-level IS,
 off-policy masks, entropy terms, batch reward scaling, normalize_then_sum, bias-corrected KL, vision-language
-models, MoE aux loss. Nothing else is refused: PEFT, FSDP, ZeRO-3, rollout_func run TRL's own code (README: what
-was run here).
+models, steps_per_generation not a multiple of GA. Nothing else is refused: PEFT, FSDP, ZeRO-3, rollout_func and
+MoE models (their router loss added as stock TRL adds it) run TRL's own code (README: what was run here).
 """
 
 import hashlib
@@ -100,16 +100,11 @@ class OffPolicyGRPOConfig(GRPOConfig):
         super().__post_init__()
         per_step, rest = divmod(self.steps_per_generation, ga)
         # TRL options this loss does not implement, and the value each must keep
-        fixed = dict(
-            off_policy_mask_threshold=None,
-            delta=None,
-            top_entropy_quantile=1.0,
-            entropy_coef=0.0,
-            use_adaptive_entropy=False,
-            use_bias_correction_kl=False,
-            importance_sampling_level="token",
-            multi_objective_aggregation="sum_then_normalize",
-        )
+        # fmt: off
+        fixed = dict(off_policy_mask_threshold=None, delta=None, top_entropy_quantile=1.0, entropy_coef=0.0,
+                     use_adaptive_entropy=False, use_bias_correction_kl=False, importance_sampling_level="token",
+                     multi_objective_aggregation="sum_then_normalize")
+        # fmt: on
         unsupported = [k for k, val in fixed.items() if getattr(self, k) != val]
         checks = [
             (rest == 0, f"steps_per_generation ({self.steps_per_generation}) must be a multiple of GA ({ga})"),
@@ -141,8 +136,8 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.aux_loss_enabled or self._is_vlm:
-            raise ValueError("OffPolicyGRPOTrainer: MoE aux losses and vision-language models are not supported")
+        if self._is_vlm:
+            raise ValueError("OffPolicyGRPOTrainer: vision-language models are not supported")
         self._rewards = None  # (N, F) the generation's rewards per function, all ranks
 
     def _calculate_rewards(self, *args, **kwargs):
@@ -198,9 +193,14 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         a, mode = self.args, "train" if self.model.training else "eval"
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)  # (n, P+T)
         attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)  # (n, P+T)
-        logp, entropy, _ = self._get_per_token_logps_and_entropies(
-            model, ids, attn, inputs["completion_ids"].shape[1], compute_entropy=True
-        )  # (n, T) each
+        logp, entropy, aux = self._get_per_token_logps_and_entropies(
+            model,
+            ids,
+            attn,
+            inputs["completion_ids"].shape[1],
+            compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled,
+        )  # (n, T) each; aux: an MoE's load-balancing loss, or None
         # log pi_k: this forward, detached, on the slice's first pass; kept in the slice for its later passes
         current = inputs.get("current_logps")
         if current is None:
@@ -227,6 +227,11 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             loss, st = reinforce.rec_loss(**logps, importance_weight=a.policy_loss == "rec-is", **eps, **common)
         else:
             loss, st = reinforce.opmd_loss(**logps, tau_reg=a.tau_reg, **common)
+        if aux is not None:  # as stock TRL: the MoE router's loss, scaled for accumulation
+            loss = loss + self.router_aux_loss_coef * aux / (
+                self.current_gradient_accumulation_steps if mode == "train" else 1
+            )
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather(aux.detach().reshape(1)).mean().item())
         # Token-weighted means over all ranks in one collective: [5 sums, tokens, max rho'] per rank.
         m = mask.float()  # (n, T)
         rho = torch.exp(current - behaviour) * m  # (n, T) rho', 0 off the mask
