@@ -42,9 +42,10 @@ resume step, from the checkpoint's policy, starting a new cycle there.
 
 Deviations from [A]: 1. log pi_k costs no pass (as in train.py); 2. held-out accuracy is greedy (HF generate).
 Departures from stock GRPOTrainer: README, "At scale: TRL". Not supported (one-line error): sequence-level IS,
-off-policy masks, entropy terms, batch reward scaling, normalize_then_sum, bias-corrected KL, vision-language
-models, steps_per_generation not a multiple of GA. Nothing else is refused: PEFT, FSDP, ZeRO-3, rollout_func and
-MoE models (their router loss added as stock TRL adds it) run TRL's own code (README: what was run here).
+off-policy masks, entropy terms, batch reward scaling, normalize_then_sum, vision-language models,
+steps_per_generation not a multiple of GA. Nothing else is refused: PEFT, FSDP, ZeRO-3, rollout_func, MoE models
+(the router's loss added as stock TRL adds it) run TRL's own code (README: what was run here). TRL's
+use_bias_correction_kl (default True) multiplies kl_t by rho_t = pi_theta / alpha (TRL's coef_1), as stock TRL.
 """
 
 import hashlib
@@ -88,8 +89,6 @@ class OffPolicyGRPOConfig(GRPOConfig):
     mask_zero_std: bool = field(default=True, metadata={"help": "drop equal-reward groups from loss and normaliser"})
     policy_loss: str = field(default="grpo", metadata={"help": "grpo (clipped surrogate), rec, rec-is, opmd ([B])"})
     tau_reg: float = field(default=0.1, metadata={"help": "opmd's regulariser (tau_reg / 2) (logp - log alpha)^2"})
-    # TRL's default True multiplies kl_t by pi_theta/pi_old; the KL here is objective.kl_penalty's plain k3.
-    use_bias_correction_kl: bool = field(default=False, metadata={"help": "not supported here: must stay False"})
 
     def __post_init__(self):
         v, ga = self.offpolicy_steps, self.gradient_accumulation_steps
@@ -102,7 +101,7 @@ class OffPolicyGRPOConfig(GRPOConfig):
         # TRL options this loss does not implement, and the value each must keep
         # fmt: off
         fixed = dict(off_policy_mask_threshold=None, delta=None, top_entropy_quantile=1.0, entropy_coef=0.0,
-                     use_adaptive_entropy=False, use_bias_correction_kl=False, importance_sampling_level="token",
+                     use_adaptive_entropy=False, importance_sampling_level="token",
                      multi_objective_aggregation="sum_then_normalize")
         # fmt: on
         unsupported = [k for k, val in fixed.items() if getattr(self, k) != val]
@@ -156,8 +155,7 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         rows = slice(self.accelerator.process_index * n, (self.accelerator.process_index + 1) * n)
         out["advantages"] = adv[rows]  # (n,)
         out["loss_mask"] = out["completion_mask"] * out.get("tool_mask", 1) * valid[rows].unsqueeze(1)  # (n, T)
-        r = rewards.view(-1, group)  # (B, G)
-        mode = "train" if self.model.training else "eval"
+        r, mode = rewards.view(-1, group), "train" if self.model.training else "eval"  # (B, G)
         self._metrics[mode]["offpolicy/zero_std_frac"].append((r.amax(1) == r.amin(1)).float().mean().item())
         return out
 
@@ -220,9 +218,17 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         logps = dict(logp=logp, behaviour_logp=behaviour, advantages=adv, completion_mask=mask)
         if a.policy_loss == "grpo":
             ref = inputs.get("ref_per_token_logps")
+            # TRL's use_bias_correction_kl (default True): kl_t * rho_t, rho = pi_theta / alpha with grad (TRL's coef_1)
+            bias = a.use_bias_correction_kl and ref is not None and self.beta != 0
             loss, st = objective.policy_loss(
-                **logps, current_logp=current, ref_logp=ref, clip_center=a.clip_center, beta=self.beta, **eps, **common
-            )
+                **logps, current_logp=current, ref_logp=None if bias else ref, clip_center=a.clip_center,
+                beta=self.beta, **eps, **common,
+            )  # fmt: skip
+            if bias:
+                ref, old = (torch.where(mask > 0, x, logp.detach()) for x in (ref, behaviour))  # 0 off the mask
+                kl = objective.kl_penalty(logp, ref) * torch.exp(logp - old)  # (n, T)
+                loss = loss + self.beta * objective.aggregate(kl, mask, common["agg"], self.max_completion_length, z)
+                st["kl"] = objective.masked_mean(kl.detach(), mask)
         elif a.policy_loss in ("rec", "rec-is"):
             loss, st = reinforce.rec_loss(**logps, importance_weight=a.policy_loss == "rec-is", **eps, **common)
         else:
@@ -245,22 +251,19 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             self._metrics[mode][key].append(val if seen else float("nan"))
         return loss
 
-    def _buffer_path(self, folder: str) -> str:
-        return os.path.join(folder, BUFFER_FILE.format(self.accelerator.process_index))
-
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint, plus this rank's buffered generation and micro-step counter (module docstring)."""
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         os.makedirs(folder, exist_ok=True)
         state = {"step": self._step, "world_size": self.accelerator.num_processes, "buffer": self._buffered_inputs}
-        torch.save(state, self._buffer_path(folder))
+        torch.save(state, os.path.join(folder, BUFFER_FILE.format(self.accelerator.process_index)))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
-        path = self._buffer_path(checkpoint)
+        path = os.path.join(checkpoint, BUFFER_FILE.format(self.accelerator.process_index))
         state = (
             torch.load(path, map_location=self.accelerator.device, weights_only=True) if os.path.isfile(path) else None
         )

@@ -11,8 +11,8 @@
    test prompts). from_pretrained and load_dataset take a folder named like the
    hub id, relative to the working directory, for a local one: pytest runs in the work folder;
 3. a conftest.py there swaps `trl.GRPOTrainer` and `trl.GRPOConfig` for OffPolicyGRPOTrainer and a config whose
-   defaults are stock TRL's (v = 1 on TRL's own schedule, clip_center="behaviour", mask_zero_std=False; only
-   use_bias_correction_kl defaults to False, the one value supported); --stock keeps TRL's own: the control run,
+   defaults are stock TRL's (v = 1 on TRL's own schedule, clip_center="behaviour", mask_zero_std=False);
+   --stock keeps TRL's own: the control run,
    which tells a failure of ours from one of the stand-ins or of the test file's TRL version;
 4. pytest runs there (-k selects; run in pieces on a small machine) with HF_HUB_OFFLINE=1, and report.json holds
    every test's outcome and, for a failure, its error's last line; the counts are printed.

@@ -28,17 +28,17 @@ def policy_dir(warm_cache, tmp_path_factory):
     return save_policy(warm_cache, tmp_path_factory.mktemp("policy"))
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
-def test_parity_with_stock_trl(policy_dir, tmp_path, loss_type):
+@pytest.mark.parametrize("loss_type, bias_kl", [("dapo", False), ("grpo", False), ("dr_grpo", False), ("dapo", True)])
+def test_parity_with_stock_trl(policy_dir, tmp_path, loss_type, bias_kl):
     """v=1, behaviour centre, masking off, beta 0.04: loss and gradient equal stock GRPOTrainer's on the same inputs,
-    over two accumulated micro-batches (so the step's normaliser is exercised, not only one micro-batch's)."""
-    # use_bias_correction_kl: stock TRL's default True multiplies kl_t by pi_theta/pi_old; the k3 here is plain.
+    over two accumulated micro-batches (so the step's normaliser is exercised, not only one micro-batch's); with
+    use_bias_correction_kl (TRL's default) kl_t is multiplied by pi_theta/pi_old in both."""
     kw = dict(
         beta=0.04,
         loss_type=loss_type,
         per_device_train_batch_size=8,
         gradient_accumulation_steps=2,
-        use_bias_correction_kl=False,
+        use_bias_correction_kl=bias_kl,
     )
     ours = make_trainer(
         policy_dir, tmp_path / "ours", offpolicy_steps=1, clip_center="behaviour", mask_zero_std=False, **kw
@@ -78,7 +78,7 @@ def test_offpolicy_loss_is_objective_policy_loss(policy_dir, tmp_path):
     """v > 1, current centre: log alpha is TRL's old_per_token_logps, log pi_k the forward detached, and the loss
     equals objective.policy_loss on the same tensors, with log-probs from logprobs.token_logprobs, advantages from
     advantage.group_advantages and an independent normaliser."""
-    trainer = make_trainer(policy_dir, tmp_path, offpolicy_steps=3, beta=0.04)
+    trainer = make_trainer(policy_dir, tmp_path, offpolicy_steps=3, beta=0.04, use_bias_correction_kl=False)
     trainer.model.train()
     batch = trainer._generate_and_score_completions(rows(trainer, 8))
     cmask = batch["completion_mask"]
