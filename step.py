@@ -385,13 +385,14 @@ def grpo_step(
     times["logprob"], t = times["logprob"] + clock(device) - t, clock(device)
 
     # ---- 6. update: --inner-steps optimizer steps on the clipped surrogate ----
+    first = step == cycle.start  # a refresh: pi_theta is alpha
     if batch.loss_mask.sum() > 0:
         stats, pi_k_logp = update(cfg, models.policy, models.opt, batch, behaviour_logp, ref_logp)
-        # log alpha of a full forward: pi_k's at the refresh step, the recomputed one after it.
-        first = step == cycle.start
-        alpha_logp = pi_k_logp if first else behaviour_logp if cfg.alpha_logp == "recompute" else None
-    else:
-        # Every group had equal rewards: nothing to learn from, no optimizer step.
-        stats, alpha_logp = {"nonfinite_updates": 0, "skipped_no_signal": 1}, None
+    else:  # every group had equal rewards: no optimizer step; a refresh still gets log alpha (sampler_mismatch)
+        stats, pi_k_logp = {"nonfinite_updates": 0, "skipped_no_signal": 1}, None
+        with torch.no_grad():
+            pi_k_logp = policy_logprobs(cfg, models.policy, batch) if first else None  # (N, T)
+    # log alpha of a full forward: pi_k's at the refresh step, the recomputed one after it.
+    alpha_logp = pi_k_logp if first else behaviour_logp if cfg.alpha_logp == "recompute" else None
     times["update"] = clock(device) - t
     return StepResult(ro, rewards, batch, alpha_logp, stats, times), cycle

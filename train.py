@@ -194,8 +194,9 @@ def metrics_row(step: int, res: StepResult, group_size: int, wall_s: float, step
     # sampler (whose stale steps use the sampler's own log-probs and have nothing to compare them with).
     if res.alpha_logp is not None:
         # |log alpha while sampling - log alpha of a full forward| over the loss's tokens.
-        gap = (ro.sampler_logp - res.alpha_logp).abs() * loss_mask  # (N, T)
-        mismatch = {"sampler_mismatch": gap.sum().item() / max(loss_mask.sum().item(), 1)}
+        on = loss_mask if loss_mask.sum() > 0 else ro.completion_mask  # a step without signal: all its tokens
+        gap = (ro.sampler_logp - res.alpha_logp).abs() * on  # (N, T)
+        mismatch = {"sampler_mismatch": gap.sum().item() / max(on.sum().item(), 1)}
     t = res.times
     # update()'s statistics (loss, clip fractions, rho' and the sampler-mismatch figures) come as they are.
     return {

@@ -67,6 +67,8 @@ PRESETS = {  # random-weight models with a real model's shape
         rms_norm_eps=1e-6,
     ),
 }
+PRESETS["qwen2.5-1.5b-random"] = dict(PRESETS["qwen2.5-0.5b-random"], hidden_size=1536, num_hidden_layers=28,
+                                      num_attention_heads=12, intermediate_size=8960)  # fmt: skip
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: benchmarks/ is one level down
 QWEN_TOKENIZER = os.path.join(ROOT, "..", "shared", "data", "qwen2-tokenizer")
 PHASES = ["refresh", "sample", "score", "logprob", "update"]

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The GPU checks of "fast and lean", in one command (about 5 minutes on an H200, at most 8):
+# The GPU checks of "fast and lean", in one command (about 6 minutes on an H200, at most 12):
 #   1. tests/test_fastpath.py on CUDA: the static-cache + CUDA-graph sampler against the plain one;
 #   2. benchmarks/bench.py on the H200 configuration of docs/design.md (Qwen2.5-0.5B shape, random weights, bf16,
 #      64 prompts x 8 completions, prompt 128 + 256 new tokens, beta 0.04): v=1 with --vs-trl (TRL's
 #      GRPOTrainer in the same process), v=4 with both log-alpha ways (its refresh samples the cycle's 4
 #      batches at once), and v=1 on the plain sampler (the reference loop); steps are means over cycles;
-#   3. a short table of the results, printed last.
+#   3. the memory levers (gradient checkpointing, bf16 weights, LoRA, LoRA + checkpointing) on the Qwen2.5-1.5B shape;
+#   4. a short table of the results, printed last.
 # Everything is logged to ${OUT:-/tmp}/gpu_check.log, each bench's JSON to ${OUT:-/tmp}/gpu_check_*.json.
 #
 #   bash benchmarks/gpu_check.sh           # on the GPU machine, from the repository root or anywhere
@@ -39,7 +40,8 @@ if [ "${GPU_CHECK_TINY:-0}" = 1 ]; then
          --beta 0.04 --micro-batch 8 --warmup 1)
   SIZES+=(--threads 1)  # a shared CPU: more threads than free cores only wait on each other
   export OMP_NUM_THREADS=1  # the tests' thread count too (tests/conftest.py reads it)
-  T_TEST=300 T_TRL=300 T_V4=120 T_PLAIN=120
+  T_TEST=300 T_TRL=300 T_V4=120 T_PLAIN=120 T_FIT=120
+  FIT_SIZES=("${SIZES[@]}")
 else
   MODE="qwen2.5-0.5b-random, cuda, bf16"
   # --micro-batch 64: 8 forward/backward chunks of 64 sequences, so activations fit with room to spare.
@@ -47,7 +49,10 @@ else
          --max-new-tokens 256 --beta 0.04 --micro-batch 64 --warmup 1)
   # Limits per step, 500 s in all; expected about 40 + 110 + 2 x 35 + 60 s (a step of ours should take
   # about 1.5-2 s, with the plain sampler about 7 s; TRL's about 18 s, docs/design.md).
-  T_TEST=80 T_TRL=190 T_V4=70 T_PLAIN=90
+  T_TEST=80 T_TRL=190 T_V4=70 T_PLAIN=90 T_FIT=45
+  # The memory levers (README, "Fitting the model") on the Qwen2.5-1.5B shape: one warm-up and one timed step each.
+  FIT_SIZES=(--model qwen2.5-1.5b-random --device cuda --dtype bfloat16 --prompts 16 --group 8 --prompt-len 128
+             --max-new-tokens 256 --beta 0.04 --micro-batch 32 --warmup 1)
 fi
 
 "$PY" - <<'EOF'
@@ -88,6 +93,10 @@ bench v1 "$T_TRL" "${SIZES[@]}" --offpolicy-steps 1 --steps 4 "${TRL[@]}"
 bench v4 "$T_V4" "${SIZES[@]}" --offpolicy-steps 4 --steps 4
 bench v4-sampler "$T_V4" "${SIZES[@]}" --offpolicy-steps 4 --steps 4 --alpha-logp sampler
 bench v1-plain-sampling "$T_PLAIN" "${SIZES[@]}" --offpolicy-steps 1 --steps 2 --sampling plain
+for fit in plain ckpt bf16 lora lora+ckpt; do  # one process each, as `--fit` runs them
+  bench "fit-$fit" "$T_FIT" "${FIT_SIZES[@]}" --steps 1 $("$PY" -c "import sys; sys.path.insert(0, '.')
+from benchmarks.compare import FITS; print(' '.join(FITS['$fit']))")
+done
 
 echo
 echo "== summary ($MODE); log: $LOG"
@@ -96,7 +105,7 @@ printf '%s\n' "${STATUS[@]}"
 import json, sys
 from pathlib import Path
 print(f"{'run':<19}{'step s':>8}{'sample':>8}{'logprob':>8}{'update':>8}{'tok/s':>8}{'peak GB':>8}{'TRL s':>8}{'ours/TRL':>9}  path")
-for name in ("v1", "v4", "v4-sampler", "v1-plain-sampling"):
+for name in ("v1", "v4", "v4-sampler", "v1-plain-sampling", *(f"fit-{f}" for f in ("plain", "ckpt", "bf16", "lora", "lora+ckpt"))):
     path = Path(sys.argv[1]) / f"gpu_check_{name}.json"
     try:
         r = json.loads(path.read_text())
@@ -106,5 +115,5 @@ for name in ("v1", "v4", "v4-sampler", "v1-plain-sampling"):
     ph = r["phases"]
     trl = f"{r['trl_step_s']:>8.2f}{r['ratio_vs_trl']:>9.3f}" if "trl_step_s" in r else f"{'-':>8}{'-':>9}"
     print(f"{name:<19}{r['step_s_mean']:>8.3f}{ph['sample']:>8.3f}{ph['logprob']:>8.3f}{ph['update']:>8.3f}"
-          f"{r['tokens_per_s']:>8.0f}{r['peak_mem_gb']:>8.1f}{trl}  {r['sampling_path']}")
+          f"{r['tokens_per_s']:>8.0f}{r['peak_mem_gb']:>8.1f}{trl}  {r['sampling_path']}, update {r.get('update_mem_gb', 0):.1f} GB")
 EOF

@@ -307,3 +307,26 @@ def test_readme_flag_table_lists_every_config_field():
     for f in fields(Config):
         flag = f"--{'no-' if f.default is True else ''}{f.name.replace('_', '-')}"
         assert f"| `{flag}` |" in readme, flag
+
+
+def test_a_step_without_signal_still_measures_the_sampler(warm_cache, tmp_path, monkeypatch):
+    # Equal rewards everywhere: no update, but the row still says whether the sampler saw the trained model.
+    monkeypatch.setattr(train, "math_reward", lambda text, gold: 0.0)
+    cfg = resolve(
+        Config(
+            steps=2,
+            offpolicy_steps=2,
+            prompts_per_step=2,
+            group_size=2,
+            eval_size=4,
+            eval_every=0,
+            warmup_steps=TEST_WARMUP,
+            cache_dir=warm_cache,
+            out=str(tmp_path),
+            progress=False,
+        )
+    )
+    train.train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_no_signal"] for r in rows] == [1, 1]
+    assert all(0 <= r["sampler_mismatch"] < 1e-5 for r in rows), rows  # refresh: a forward; stale: the recomputed
