@@ -389,7 +389,7 @@ def grpo_step(
     if batch.loss_mask.sum() > 0:
         stats, pi_k_logp = update(cfg, models.policy, models.opt, batch, behaviour_logp, ref_logp)
     else:  # every group had equal rewards: no optimizer step; a refresh still gets log alpha (sampler_mismatch)
-        stats, pi_k_logp = {"nonfinite_updates": 0, "skipped_no_signal": 1}, None
+        stats = {"nonfinite_updates": 0, "skipped_no_signal": 1}
         with torch.no_grad():
             pi_k_logp = policy_logprobs(cfg, models.policy, batch) if first else None  # (N, T)
     # log alpha of a full forward: pi_k's at the refresh step, the recomputed one after it.

@@ -76,7 +76,8 @@ def main():
         r, tr, sec, seen = credited(model, tok, probs[: args.n], 1, t, 0.0, 0, batch=128)
         print(json.dumps(dict(kind="greedy", split=args.split, n=args.n, max_new_tokens=t,
                               accuracy=round(r.mean().item(), 4), gold_mentioned=round(seen, 3),
-                              truncated=round(tr.float().mean().item(), 3), seconds=round(sec, 1))), flush=True)  # fmt: skip
+                              truncated=round(tr.float().mean().item(), 3), seconds=round(sec, 1))),
+              flush=True)  # fmt: skip
     if args.show:
         ids, mask = encode_prompts(tok, probs[: args.show], "cpu")
         ro = generate(model, ids, mask, group_size=1, max_new_tokens=max(args.lengths), temperature=0.0,
@@ -90,8 +91,9 @@ def main():
             signal = (r.amax(1) != r.amin(1)).float().mean().item()
             print(json.dumps(dict(kind="sampled", split=args.split, prompts=args.prompts, group_size=args.group_size,
                                   temperature=temp, max_new_tokens=t, pass_rate=round(r.mean().item(), 4),
-                                  groups_with_signal=round(signal, 3), gold_mentioned=round(seen, 3), truncated=round(tr.float().mean().item(), 3),
-                                  seconds=round(sec, 1))), flush=True)  # fmt: skip
+                                  groups_with_signal=round(signal, 3), gold_mentioned=round(seen, 3),
+                                  truncated=round(tr.float().mean().item(), 3), seconds=round(sec, 1))),
+                  flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
