@@ -1,0 +1,253 @@
+"""The staleness study on a real model: every correction side by side on SmolLM2-135M-Instruct.
+
+    python -m studies.real_staleness                # the grid below, one run at a time (~15 min a run, 1 thread)
+    python -m studies.real_staleness --table-only   # table and picture again from results/real_staleness.csv
+
+The toy study (studies/staleness.py, results/staleness.csv) asks its question of a 1M-parameter model with
+3-4-token answers. This one asks it of a pretrained chat model on --task wordproblems, with the LoRA variant
+of the real-model recipe (results/real_model/README.md: r = 16, alpha 32, lr 2e-4, 12 steps of 8 prompts x 8
+completions of at most 48 tokens at temperature 0.7; 0.070 -> 0.350 on v = 1): the recipe with LoRA because
+it learnt more (+28 points against +20) in two thirds of the time, which is what buys seeds here.
+The grid, in the order it runs (seed by seed, so a study cut short keeps whole seed sets):
+  v = 1 once per seed (at v = 1 every correction takes the same gradient: the shared baseline), then
+  v in {4, 8} x five corrections:
+    current          [A]'s surrogate, the clip interval centred at rho' = pi_k / alpha (objective.policy_loss)
+    behaviour        PPO / TRL: the interval centred at 1
+    decoupled-tis2   AReaL's decoupled objective, the weight rho' capped at 2 (token-level TIS)
+    decoupled-geomis decoupled, a sequence dropped from the loss and its normaliser when the geometric mean of
+                     its rho'_t leaves [1/M, M], M = 1.02 (verl's Geo-RS, --is-level geometric --is-mask 1.02;
+                     verl's default M = 1.001 is sized for engine mismatch, not for v - 1 stale updates; 1.02
+                     is TRL's sequence-mask cap 3 spread over the recipe's 48 tokens, 3^(1/48) = 1.023)
+    rec              [B]'s REC: -A log pi_theta with a one-sided clip mask on rho, no importance weight
+  With 12 steps, v = 4 refreshes 3 times and v = 8 twice (steps 1-7 sample from the step-0 policy).
+Evaluation: 200 held-out problems at the start and the end (--eval-every 0: the intermediate evaluations
+would cost as much as the training). Every run keeps its config.json, metrics.jsonl and summary.json under
+--runs-dir (committed; the weights are deleted), so a study stopped at any run continues where it stopped,
+and this file's table is the CSV's, nothing else (`--table-only`).
+"""
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+from config import Config, resolve
+from studies import runner, staleness
+
+GGUF = "~/.cache/offpolicy-grpo/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+RECIPE = dict(
+    task="wordproblems", steps=12, prompts_per_step=8, group_size=8, max_new_tokens=48, temperature=0.7,
+    lr=2e-4, lora_rank=16, lora_alpha=32.0, micro_batch=16, eval_every=0, eval_size=200,
+)  # fmt: skip
+CORRECTIONS = {
+    "current": dict(clip_center="current"),
+    "behaviour": dict(clip_center="behaviour"),
+    "decoupled-tis2": dict(clip_center="decoupled", is_cap=2.0),
+    "decoupled-geomis": dict(clip_center="decoupled", is_mask=1.02, is_level="geometric"),
+    "rec": dict(loss="rec"),
+}
+BASELINE = staleness.BASELINE
+TOY = {"current": "current", "behaviour": "behaviour", "decoupled-tis2": "decoupled-tis2", "rec": "rec"}
+RUN_COLUMNS = ["offpolicy_steps", "lr", "clip_center", "loss", "is_cap", "is_mask", "is_level"]
+CSV_COLUMNS = ["correction", "shared_baseline", *RUN_COLUMNS, "seed", *staleness.CSV_COLUMNS[9:]]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m studies.real_staleness",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default=GGUF, help="the GGUF file (or model folder) every run trains (SmolLM2)")
+    p.add_argument("--corrections", nargs="+", choices=list(CORRECTIONS), default=list(CORRECTIONS), help="(all)")
+    p.add_argument("--vs", nargs="+", type=int, default=[1, 4, 8], help="refresh periods v (1 = the baseline)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1], help="seeds, each a whole set of runs")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per run")
+    p.add_argument("--runs-dir", default="results/real_staleness", help="per-run records (config, metrics, summary)")
+    p.add_argument("--out-dir", default="results", help="where real_staleness.csv/.png and _table.md go")
+    p.add_argument("--toy-csv", default="results/staleness.csv", help="the toy study's CSV, for the side-by-side")
+    p.add_argument("--table-only", action="store_true", help="no training: table and picture from the CSV")
+    p.add_argument("--fresh", action="store_true", help="rerun every run, even a finished one")
+    return p
+
+
+def grid(args) -> list[tuple[str, dict]]:
+    """(correction, Config changes) of every run, seed by seed: v = 1, then each v > 1 and correction."""
+    jobs = []
+    for s in args.seeds:
+        jobs += [(BASELINE, dict(offpolicy_steps=1, seed=s))] if 1 in args.vs else []
+        stale = [v for v in args.vs if v > 1]
+        jobs += [(c, dict(offpolicy_steps=v, seed=s, **CORRECTIONS[c])) for v in stale for c in args.corrections]
+    return jobs
+
+
+def run_name(correction: str, changes: dict) -> str:
+    return f"{'baseline' if correction == BASELINE else correction}-v{changes['offpolicy_steps']}-s{changes['seed']}"
+
+
+def config(args, correction: str, changes: dict) -> Config:
+    out = Path(args.runs_dir) / run_name(correction, changes)
+    return resolve(Config(model=str(Path(args.model).expanduser()), **RECIPE, **changes, out=str(out), progress=False))
+
+
+def rows_of(cfg: Config, correction: str) -> list[dict]:
+    base = {"correction": correction, "shared_baseline": correction == BASELINE, "seed": cfg.seed}
+    return runner.run_rows(cfg, {**base, **{c: getattr(cfg, c) for c in RUN_COLUMNS}}, means=staleness.STEP_MEANS)
+
+
+def run_study(args, csv: Path) -> list[dict]:
+    """Train (or reuse) every run; after each, the CSV is rewritten with every finished run's rows."""
+    jobs = grid(args)
+    cfgs = [config(args, c, ch) for c, ch in jobs]
+    args.workers = 1
+    done: dict[int, list[dict]] = {}
+    for count, (i, reused, error) in enumerate(runner.run_jobs(cfgs, args), 1):
+        (correction, _), cfg = jobs[i], cfgs[i]
+        tag = f"[{count:>2}/{len(jobs)}] {correction:<18} v={cfg.offpolicy_steps} seed={cfg.seed}"
+        if error:
+            print(f"{tag}  FAILED: {error[0]}\n{error[1]}", flush=True)
+            continue
+        for heavy in ("final", "checkpoints"):  # the record is the metrics; the weights stay out of git
+            runner.shutil.rmtree(Path(cfg.out) / heavy, ignore_errors=True)
+        r = done[i] = rows_of(cfg, correction)
+        runner.write_csv([row for j in sorted(done) for row in done[j]], CSV_COLUMNS, csv)
+        acc = f"{r[0]['eval_accuracy']:.3f} -> {r[-1]['eval_accuracy']:.3f}"
+        print(f"{tag}  held-out acc {acc}  {r[-1]['wall_s']:6.1f} s" + ("  (existing)" if reused else ""), flush=True)
+    return [row for j in sorted(done) for row in done[j]]
+
+
+def read_rows(path: Path) -> list[dict]:
+    return runner.read_csv(path, ints={"offpolicy_steps", "seed", "step"},
+                           texts={"correction", "clip_center", "loss", "is_level"})  # fmt: skip
+
+
+def finals(rows: list[dict]) -> dict[tuple[str, int], dict[int, float]]:
+    """(correction, v) -> {seed: final held-out accuracy}; the baseline under (BASELINE, 1)."""
+    last = {}
+    for r in rows:
+        key = (r["correction"], r["offpolicy_steps"], r["seed"])
+        if key not in last or r["step"] > last[key]["step"]:
+            last[key] = r
+    out = {}
+    for (c, v, s), r in last.items():
+        out.setdefault((c, v), {})[s] = r["eval_accuracy"]
+    return out
+
+
+def toy_deltas(path: Path) -> dict[tuple[str, int], list[float]]:
+    """The toy study's paired differences to its v = 1 baseline (one inner step), per (correction, v)."""
+    if not path.is_file():
+        return {}
+    rows = [r for r in staleness.read_rows(path) if r["inner_steps"] == 1]
+    f = finals(rows)
+    base = f.get((BASELINE, 1), {})
+    return {k: [a[s] - base[s] for s in a if s in base] for k, a in f.items() if k[0] != BASELINE}
+
+
+def _steps_mean(rows: list[dict], col: str, pct: bool = False) -> str:
+    xs = [r[col] for r in rows if r["step"] > 0 and r[col] != ""]
+    return "—" if not xs else f"{100 * statistics.fmean(xs):.1f}%" if pct else f"{statistics.fmean(xs):.3f}"
+
+
+def summary_table(rows: list[dict], toy: dict) -> str:
+    """Markdown: per correction and v, over seeds (mean ± sample std): final accuracy; its paired difference to
+    the v = 1 baseline at the same seed (wins/n); the toy study's difference at the same v (its 5 or 2 seeds);
+    clipped / TIS-capped / MIS-masked token shares and rho' p99 averaged over the trained steps; wall s."""
+    f = finals(rows)
+    base = f.get((BASELINE, 1), {})
+    lines = [
+        "| correction | v | seeds | final accuracy | vs v=1, same seed (wins/n) | toy: vs v=1 (seeds) | clipped "
+        "| TIS capped | MIS masked | rho' p99 | wall s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    order = [BASELINE, *CORRECTIONS]
+    for c, v in sorted(f, key=lambda cv: (cv[1], order.index(cv[0]))):
+        seeds = sorted(f[c, v])
+        mine = [r for r in rows if r["correction"] == c and r["offpolicy_steps"] == v]
+        d = [f[c, v][s] - base[s] for s in seeds if s in base and c != BASELINE]
+        vs = f"{runner.mean_sd(d, signed=True)} ({sum(x > 0 for x in d)}/{len(d)})" if d else "—"
+        t = toy.get((TOY.get(c), v), [])
+        toy_cell = f"{runner.mean_sd(t, signed=True)} ({len(t)})" if t else "—"
+        wall = statistics.fmean(r["wall_s"] for r in mine if r["step"] == max(x["step"] for x in mine))
+        lines.append(
+            f"| {c} | {v} | {len(seeds)} | {runner.mean_sd([f[c, v][s] for s in seeds])} | {vs} | {toy_cell} | "
+            f"{_steps_mean(mine, 'clip_frac', True)} | {_steps_mean(mine, 'is_capped_frac', True)} | "
+            f"{_steps_mean(mine, 'is_masked_frac', True)} | {_steps_mean(mine, 'rho_prime_p99')} | {wall:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], toy: dict, path: Path) -> bool:
+    """Two panels: final accuracy vs v per correction (mean ± std over seeds, the shared baseline at v = 1);
+    the difference to v = 1 at each v, the real model's beside the toy's, per correction."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib not installed (pip install -e '.[plot]'): no plot")
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    f = finals(rows)
+    base = f.get((BASELINE, 1), {})
+    colours = {c: plt.get_cmap("tab10")(i + 1) for i, c in enumerate(CORRECTIONS)}
+    fig, (ax_v, ax_d) = plt.subplots(1, 2, figsize=(13, 5))
+    vs = sorted({v for _, v in f})
+    for n, c in enumerate(CORRECTIONS):
+        pts = [(v, list((f.get((c, v)) if v > 1 else base).values())) for v in vs if (c, v) in f or v == 1]
+        pts = [(v, a) for v, a in pts if a]
+        if not any(v > 1 for v, _ in pts):
+            continue
+        x = [v * 1.03 ** (n - 2) for v, _ in pts]
+        sd = [statistics.stdev(a) if len(a) > 1 else 0.0 for _, a in pts]
+        mean = [statistics.fmean(a) for _, a in pts]
+        ax_v.errorbar(x, mean, yerr=sd, marker="o", capsize=3, color=colours[c], label=c)
+    ax_v.set_xscale("log", base=2)
+    ax_v.set_xticks(vs, [str(v) for v in vs])
+    ax_v.set_xlabel("refresh period v (v = 1: on-policy, the shared baseline)")
+    ax_v.set_ylabel("final held-out greedy accuracy (200 problems)")
+    ax_v.set_title("SmolLM2-135M-Instruct, LoRA recipe, 12 steps\n(mean ± std over seeds)", fontsize=10)
+    ax_v.grid(alpha=0.3)
+    ax_v.legend(fontsize=8)
+    labels, k = [], 0
+    for v in [v for v in vs if v > 1]:
+        for c in CORRECTIONS:
+            if (c, v) not in f:
+                continue
+            d = [f[c, v][s] - base[s] for s in f[c, v] if s in base]
+            ax_d.bar(k - 0.2, statistics.fmean(d), 0.4, color=colours[c])
+            ax_d.scatter([k - 0.2] * len(d), d, s=10, color="k", zorder=3)
+            if t := toy.get((TOY.get(c), v)):
+                ax_d.bar(k + 0.2, statistics.fmean(t), 0.4, color=colours[c], alpha=0.35, hatch="//")
+            labels.append(f"{c}\nv={v}")
+            k += 1
+    ax_d.axhline(0, color="k", lw=0.8)
+    ax_d.set_xticks(range(len(labels)), labels, rotation=50, ha="right", fontsize=7)
+    ax_d.set_ylabel("final accuracy minus v = 1's, same seed")
+    ax_d.set_title("difference to on-policy: the real model (solid, dots: seeds)\nand the toy (hatched)", fontsize=10)
+    ax_d.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out = Path(args.out_dir)
+    csv = out / "real_staleness.csv"
+    if args.table_only:
+        rows = read_rows(csv)
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        rows = run_study(args, csv)
+    toy = toy_deltas(Path(args.toy_csv))
+    table = summary_table(rows, toy)
+    (out / "real_staleness_table.md").write_text(table)
+    png = ", real_staleness.png" if plot(rows, toy, out / "real_staleness.png") else ""
+    print(f"\n{table}\nwrote {out}/real_staleness_table.md{png}" + ("" if args.table_only else ", real_staleness.csv"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
