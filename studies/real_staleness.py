@@ -23,10 +23,13 @@ The grid, in the order it runs (seed by seed, so a study cut short keeps whole s
 Evaluation: 200 held-out problems at the start and the end (--eval-every 0: the intermediate evaluations
 would cost as much as the training). Every run keeps its config.json, metrics.jsonl and summary.json under
 --runs-dir (committed; the weights are deleted), so a study stopped at any run continues where it stopped,
-and this file's table is the CSV's, nothing else (`--table-only`).
+and this file's table is the CSV's, nothing else (`--table-only`). Two studies started side by side (one
+thread each, one per core) share the grid: each claims a run before training it (`<run>.claim`).
 """
 
 import argparse
+import os
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -95,25 +98,66 @@ def rows_of(cfg: Config, correction: str) -> list[dict]:
     return runner.run_rows(cfg, {**base, **{c: getattr(cfg, c) for c in RUN_COLUMNS}}, means=staleness.STEP_MEANS)
 
 
+def claim(cfg: Config) -> Path | None:
+    """Take the run for this process (a claim file beside its folder), or None if a live process holds it:
+    two studies started side by side (one per core) share the grid without training a run twice."""
+    path = Path(f"{cfg.out}.claim")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                os.kill(int(path.read_text() or 0), 0)  # the holder is alive: leave the run to it
+                return None
+            except (ProcessLookupError, ValueError):
+                path.unlink(missing_ok=True)  # a claim left by a killed study: take it over
+                continue
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return path
+    return None
+
+
+def collect(args, jobs: list[tuple[str, dict]]) -> list[dict]:
+    """The CSV rows of every finished run of the grid, in grid order: the run records are the truth."""
+    return [row for c, ch in jobs if runner.finished(cfg := config(args, c, ch)) for row in rows_of(cfg, c)]
+
+
+def write_rows(rows: list[dict], csv: Path) -> None:
+    tmp = csv.with_suffix(".tmp")
+    runner.write_csv(rows, CSV_COLUMNS, tmp)
+    tmp.replace(csv)  # a reader (or a second study) never sees half a file
+
+
 def run_study(args, csv: Path) -> list[dict]:
-    """Train (or reuse) every run; after each, the CSV is rewritten with every finished run's rows."""
+    """Train every run of the grid that is neither finished nor claimed; after each, the CSV is rewritten
+    from every finished run's record (this process's and any other's)."""
     jobs = grid(args)
-    cfgs = [config(args, c, ch) for c, ch in jobs]
-    args.workers = 1
-    done: dict[int, list[dict]] = {}
-    for count, (i, reused, error) in enumerate(runner.run_jobs(cfgs, args), 1):
-        (correction, _), cfg = jobs[i], cfgs[i]
-        tag = f"[{count:>2}/{len(jobs)}] {correction:<18} v={cfg.offpolicy_steps} seed={cfg.seed}"
+    for n, (correction, changes) in enumerate(jobs, 1):
+        cfg = config(args, correction, changes)
+        tag = f"[{n:>2}/{len(jobs)}] {correction:<18} v={cfg.offpolicy_steps} seed={cfg.seed}"
+        if not args.fresh and runner.finished(cfg):
+            continue
+        if (held := claim(cfg)) is None:
+            print(f"{tag}  trained by another process", flush=True)
+            continue
+        try:
+            error = runner.train_one(cfg, args.threads)
+        finally:
+            held.unlink(missing_ok=True)
         if error:
             print(f"{tag}  FAILED: {error[0]}\n{error[1]}", flush=True)
             continue
         for heavy in ("final", "checkpoints"):  # the record is the metrics; the weights stay out of git
-            runner.shutil.rmtree(Path(cfg.out) / heavy, ignore_errors=True)
-        r = done[i] = rows_of(cfg, correction)
-        runner.write_csv([row for j in sorted(done) for row in done[j]], CSV_COLUMNS, csv)
+            shutil.rmtree(Path(cfg.out) / heavy, ignore_errors=True)
+        r = rows_of(cfg, correction)
+        write_rows(collect(args, jobs), csv)
         acc = f"{r[0]['eval_accuracy']:.3f} -> {r[-1]['eval_accuracy']:.3f}"
-        print(f"{tag}  held-out acc {acc}  {r[-1]['wall_s']:6.1f} s" + ("  (existing)" if reused else ""), flush=True)
-    return [row for j in sorted(done) for row in done[j]]
+        print(f"{tag}  held-out acc {acc}  {r[-1]['wall_s']:6.1f} s", flush=True)
+    rows = collect(args, jobs)
+    write_rows(rows, csv)
+    return rows
 
 
 def read_rows(path: Path) -> list[dict]:
