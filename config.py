@@ -141,6 +141,7 @@ class Config:
     # --- evaluation, logging, output ---------------------------------------------------------
     eval_every: int = arg(50, "held-out greedy accuracy every this many steps (0 = start and end only)")
     eval_size: int = arg(500, "held-out problems evaluated")
+    eval_start: bool = arg(True, "evaluate the starting policy (--no-eval-start: skip it; its accuracy is then null)")
     seed: int = arg(0, "seed of the data order, the sampler and everything else")
     device: str = arg("auto", "auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
     dtype: str = arg(

@@ -271,11 +271,8 @@ def write_curves(out: Path, summary: dict) -> Path:
             points = [(r["step"] + 1, r[key]) for r in rows if key in r]
             if key == "eval_accuracy":
                 # Evaluations run after a step; the start and end values come from summary.json.
-                points = [
-                    (0, summary["eval_accuracy_start"]),
-                    *points,
-                    (summary["steps"], summary["eval_accuracy_end"]),
-                ]
+                start = [] if summary["eval_accuracy_start"] is None else [(0, summary["eval_accuracy_start"])]
+                points = [*start, *points, (summary["steps"], summary["eval_accuracy_end"])]
                 ax.plot(*zip(*points), marker="o", label=key)
             elif points:
                 ax.plot(*zip(*points), linewidth=0.8, label=key)
@@ -283,9 +280,8 @@ def write_curves(out: Path, summary: dict) -> Path:
         ax.grid(alpha=0.3)
         if len(keys) > 1 and ax.get_legend_handles_labels()[0]:  # no legend for a panel with no line (opmd: no clip)
             ax.legend(fontsize=8)
-    fig.suptitle(
-        f"{out.name}: held-out accuracy {summary['eval_accuracy_start']:.3f} -> {summary['eval_accuracy_end']:.3f}"
-    )
+    start = "?" if summary["eval_accuracy_start"] is None else f"{summary['eval_accuracy_start']:.3f}"
+    fig.suptitle(f"{out.name}: held-out accuracy {start} -> {summary['eval_accuracy_end']:.3f}")
     path = out / "curves.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)

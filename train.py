@@ -133,7 +133,7 @@ def setup(cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: lis
 
 
 def checkpoint_state(
-    models: Models, gen, stream: PromptStream, cycle: Cycle | None, step: int, acc_start: float, wall: float
+    models: Models, gen, stream: PromptStream, cycle: Cycle | None, step: int, acc_start: float | None, wall: float
 ) -> dict:
     """Everything the next step reads, so that a resumed run continues bit for bit.
 
@@ -261,8 +261,10 @@ def train(cfg: Config) -> dict:
         start_step, acc_start, wall_before, cycle = restore(cfg, models, gen, stream, writer)
     t0 = time.time() - wall_before
     if not cfg.resume:
-        acc_start = evaluate(models.policy, tokenizer, heldout, cfg.max_new_tokens, device)
-    writer.log(f"held-out greedy accuracy before training: {acc_start:.3f} ({len(heldout)} problems)")
+        # Greedy evaluation draws no random numbers: skipping it (--no-eval-start) leaves the run as it is.
+        acc_start = evaluate(models.policy, tokenizer, heldout, cfg.max_new_tokens, device) if cfg.eval_start else None
+    if acc_start is not None:
+        writer.log(f"held-out greedy accuracy before training: {acc_start:.3f} ({len(heldout)} problems)")
     # The bar counts from the resumed step, so its rate and time left are those of the remaining steps.
     bar_kw = dict(desc="grpo", dynamic_ncols=True, disable=not cfg.progress, initial=start_step, total=cfg.steps)
     bar = tqdm(range(start_step, cfg.steps), **bar_kw)
@@ -296,7 +298,7 @@ def train(cfg: Config) -> dict:
     acc_end = evaluate(models.policy, tokenizer, heldout, cfg.max_new_tokens, device)
     summary = dict(eval_accuracy_start=acc_start, eval_accuracy_end=acc_end, steps=cfg.steps)
     summary.update(wall_s=time.time() - t0, eval_size=len(heldout), out=str(writer.out))
-    gain = f"start {acc_start:.3f}, {acc_end - acc_start:+.3f}"
+    gain = "start not evaluated" if acc_start is None else f"start {acc_start:.3f}, {acc_end - acc_start:+.3f}"
     writer.log(f"held-out greedy accuracy after training:  {acc_end:.3f} ({gain})")
     writer.finish(models.policy, tokenizer, summary)
     return summary

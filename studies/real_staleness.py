@@ -28,10 +28,12 @@ thread each, one per core) share the grid: each claims a run before training it 
 """
 
 import argparse
+import json
 import os
 import shutil
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from config import Config, resolve
@@ -89,13 +91,35 @@ def run_name(correction: str, changes: dict) -> str:
 
 
 def config(args, correction: str, changes: dict) -> Config:
+    """The run's Config. Only the v = 1 run evaluates the start: every run of a seed starts from the same
+    weights (LoRA's B is zero at init, so the adapted model is the base model), and greedy evaluation draws
+    no random numbers, so it is the same 200 decodes each time (the first six runs each read 0.070)."""
     out = Path(args.runs_dir) / run_name(correction, changes)
-    return resolve(Config(model=str(Path(args.model).expanduser()), **RECIPE, **changes, out=str(out), progress=False))
+    cfg = Config(model=str(Path(args.model).expanduser()), **RECIPE, **changes, out=str(out), progress=False)
+    cfg = resolve(replace(cfg, eval_start=correction == BASELINE))
+    # A run finished before the start evaluation was left to v = 1 evaluated it itself: the same run.
+    return cfg if runner.finished(cfg) or not runner.finished(done := replace(cfg, eval_start=True)) else done
 
 
-def rows_of(cfg: Config, correction: str) -> list[dict]:
+def rows_of(cfg: Config, correction: str, runs_dir: Path) -> list[dict]:
+    """The run's CSV rows; a run that did not evaluate its start takes the start of its seed's v = 1 run
+    (blank until that run has finished)."""
     base = {"correction": correction, "shared_baseline": correction == BASELINE, "seed": cfg.seed}
-    return runner.run_rows(cfg, {**base, **{c: getattr(cfg, c) for c in RUN_COLUMNS}}, means=staleness.STEP_MEANS)
+    rows = runner.run_rows(cfg, {**base, **{c: getattr(cfg, c) for c in RUN_COLUMNS}}, means=staleness.STEP_MEANS)
+    if rows[0]["eval_accuracy"] is None:
+        v1 = runs_dir / run_name(BASELINE, dict(offpolicy_steps=1, seed=cfg.seed)) / "summary.json"
+        rows[0]["eval_accuracy"] = json.loads(v1.read_text())["eval_accuracy_start"] if v1.is_file() else ""
+    return rows
+
+
+def holds(pid: str) -> bool:
+    """Whether process `pid` is alive and a Python process: a PID reused by another program holds no claim."""
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, ValueError):
+        return False
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    return not cmdline.is_file() or b"python" in cmdline.read_bytes()
 
 
 def claim(cfg: Config) -> Path | None:
@@ -107,12 +131,10 @@ def claim(cfg: Config) -> Path | None:
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
-            try:
-                os.kill(int(path.read_text() or 0), 0)  # the holder is alive: leave the run to it
+            if holds(path.read_text()):  # the holder is alive: leave the run to it
                 return None
-            except (ProcessLookupError, ValueError):
-                path.unlink(missing_ok=True)  # a claim left by a killed study: take it over
-                continue
+            path.unlink(missing_ok=True)  # a claim left by a killed study: take it over
+            continue
         os.write(fd, str(os.getpid()).encode())
         os.close(fd)
         return path
@@ -121,7 +143,12 @@ def claim(cfg: Config) -> Path | None:
 
 def collect(args, jobs: list[tuple[str, dict]]) -> list[dict]:
     """The CSV rows of every finished run of the grid, in grid order: the run records are the truth."""
-    return [row for c, ch in jobs if runner.finished(cfg := config(args, c, ch)) for row in rows_of(cfg, c)]
+    return [
+        row
+        for c, ch in jobs
+        if runner.finished(cfg := config(args, c, ch))
+        for row in rows_of(cfg, c, Path(args.runs_dir))
+    ]
 
 
 def write_rows(rows: list[dict], csv: Path) -> None:
@@ -151,9 +178,10 @@ def run_study(args, csv: Path) -> list[dict]:
             continue
         for heavy in ("final", "checkpoints"):  # the record is the metrics; the weights stay out of git
             shutil.rmtree(Path(cfg.out) / heavy, ignore_errors=True)
-        r = rows_of(cfg, correction)
+        r = rows_of(cfg, correction, Path(args.runs_dir))
         write_rows(collect(args, jobs), csv)
-        acc = f"{r[0]['eval_accuracy']:.3f} -> {r[-1]['eval_accuracy']:.3f}"
+        start = r[0]["eval_accuracy"]
+        acc = f"{float('nan') if start == '' else start:.3f} -> {r[-1]['eval_accuracy']:.3f}"
         print(f"{tag}  held-out acc {acc}  {r[-1]['wall_s']:6.1f} s", flush=True)
     rows = collect(args, jobs)
     write_rows(rows, csv)

@@ -1,5 +1,7 @@
 """The real-model staleness study's bookkeeping (studies/real_staleness.py), without training a model."""
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -34,6 +36,35 @@ def test_a_claim_is_exclusive_while_its_process_lives_and_taken_over_after(tmp_p
     held.write_text(dead.stdout.strip())  # a claim whose process has exited
     again = rs.claim(cfg)
     assert again is not None and again.read_text() == str(os.getpid())
+    other = subprocess.Popen(["sleep", "30"])  # alive, but not a Python process: its PID holds no claim
+    try:
+        again.write_text(str(other.pid))
+        taken = rs.claim(cfg)
+        assert taken is not None and taken.read_text() == str(os.getpid())
+    finally:
+        other.kill()
+
+
+def test_a_run_that_skipped_its_start_takes_the_start_of_its_seeds_v1_run(tmp_path):
+    args = rs.build_parser().parse_args(["--runs-dir", str(tmp_path)])
+    (c, ch), base_job = rs.grid(args)[1], rs.grid(args)[0]  # seed 0: current at v = 4; the v = 1 run
+    cfg = rs.config(args, c, ch)
+    assert not cfg.eval_start and rs.config(args, *base_job).eval_start  # only v = 1 evaluates the start
+    out = tmp_path / rs.run_name(c, ch)
+    out.mkdir()
+    (out / "summary.json").write_text(
+        json.dumps(dict(eval_accuracy_start=None, eval_accuracy_end=0.2, steps=12, wall_s=9.0))
+    )
+    (out / "metrics.jsonl").write_text(json.dumps(dict(step=0, reward=0.5, wall_s=3.0)) + "\n")
+    assert rs.rows_of(cfg, c, tmp_path)[0]["eval_accuracy"] == ""  # v = 1 not finished yet: blank
+    v1 = tmp_path / rs.run_name(*base_job)
+    v1.mkdir()
+    (v1 / "summary.json").write_text(json.dumps(dict(eval_accuracy_start=0.07, eval_accuracy_end=0.3, steps=12)))
+    rows = rs.rows_of(cfg, c, tmp_path)
+    assert rows[0]["eval_accuracy"] == 0.07 and rows[-1]["eval_accuracy"] == 0.2
+    # A run finished before only v = 1 evaluated the start (eval_start on) is found, not trained again.
+    (out / "config.json").write_text(json.dumps(dataclasses.asdict(dataclasses.replace(cfg, eval_start=True))))
+    assert rs.config(args, c, ch).eval_start and runner.finished(rs.config(args, c, ch))
 
 
 def row(correction, v, seed, step, acc, **extra):

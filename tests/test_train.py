@@ -1,5 +1,6 @@
 """train.py: the update's gradient identities, the sampler refresh schedule, end-to-end runs."""
 
+import importlib.util
 import json
 import random
 import subprocess
@@ -7,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import step
 import train
@@ -330,3 +332,26 @@ def test_a_step_without_signal_still_measures_the_sampler(warm_cache, tmp_path, 
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_no_signal"] for r in rows] == [1, 1]
     assert all(0 <= r["sampler_mismatch"] < 1e-5 for r in rows), rows  # refresh: a forward; stale: the recomputed
+
+
+def test_no_eval_start_skips_only_the_first_evaluation(warm_cache, tmp_path):
+    """--no-eval-start: summary.json records a null start, and the run is the same run: the same final
+    weights, metrics and end accuracy (greedy evaluation draws no random numbers)."""
+    runs = {}
+    for flag in (True, False):
+        out = tmp_path / str(flag)
+        summary = train.train(small_cfg(warm_cache, out, steps=4, offpolicy_steps=2, eval_start=flag))
+        weights = load_file(out / "final" / "model.safetensors")
+        metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        drop = ("wall_s", "tokens_per_s", "peak_mem_gb", "mem_gb")
+        runs[flag] = (
+            summary,
+            weights,
+            [{k: v for k, v in m.items() if k not in drop and not k.startswith("t_")} for m in metrics],
+        )
+    (on, w_on, m_on), (off, w_off, m_off) = runs[True], runs[False]
+    assert isinstance(on["eval_accuracy_start"], float) and off["eval_accuracy_start"] is None
+    assert json.loads((tmp_path / "False" / "summary.json").read_text())["eval_accuracy_start"] is None
+    assert on["eval_accuracy_end"] == off["eval_accuracy_end"] and m_on == m_off
+    assert w_on.keys() == w_off.keys() and all(torch.equal(w_on[k], w_off[k]) for k in w_on)
+    assert (tmp_path / "False" / "curves.png").is_file() or importlib.util.find_spec("matplotlib") is None
