@@ -249,6 +249,25 @@ def summary_table(rows: list[dict], toy: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def ranking_table(rows: list[dict], toy: dict) -> str:
+    """Markdown: per v, the corrections best first by their mean difference to v = 1, on the real model and on the
+    toy (the four the toy has), and how many of the pairs of those four the two put in the same order."""
+    f = finals(rows)
+    base = f.get((BASELINE, 1), {})
+    lines = ["| v | real model, best first (mean vs v=1) | toy, best first (mean vs v=1) | pairs in the same order |",
+             "|---:|---|---|---:|"]  # fmt: skip
+    for v in sorted({v for _, v in f if v > 1}):
+        real = {c: statistics.fmean(f[c, v][s] - base[s] for s in f[c, v] if s in base)
+                for c in CORRECTIONS if (c, v) in f and any(s in base for s in f[c, v])}  # fmt: skip
+        theirs = {c: statistics.fmean(t) for c in real if (t := toy.get((TOY.get(c), v)))}
+        order = lambda d: ", ".join(f"{c} ({x:+.3f})" for c, x in sorted(d.items(), key=lambda cx: -cx[1]))  # noqa: E731
+        both = sorted(theirs)
+        pairs = [(a, b) for i, a in enumerate(both) for b in both[i + 1 :]]
+        same = sum((real[a] - real[b]) * (theirs[a] - theirs[b]) > 0 for a, b in pairs)
+        lines.append(f"| {v} | {order(real)} | {order(theirs) or '—'} | {same}/{len(pairs)} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(rows: list[dict], toy: dict, path: Path) -> bool:
     """Two panels: final accuracy vs v per correction (mean ± std over seeds, the shared baseline at v = 1);
     the difference to v = 1 at each v, the real model's beside the toy's, per correction."""
@@ -314,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         rows = run_study(args, csv)
     toy = toy_deltas(Path(args.toy_csv))
-    table = summary_table(rows, toy)
+    table = summary_table(rows, toy) + "\n" + ranking_table(rows, toy)
     (out / "real_staleness_table.md").write_text(table)
     png = ", real_staleness.png" if plot(rows, toy, out / "real_staleness.png") else ""
     print(f"\n{table}\nwrote {out}/real_staleness_table.md{png}" + ("" if args.table_only else ", real_staleness.csv"))

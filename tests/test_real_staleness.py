@@ -105,5 +105,18 @@ def test_table_only_reproduces_the_committed_table():
     csv = ROOT / "results" / "real_staleness.csv"
     if not csv.is_file():
         pytest.skip("the study has not written results/real_staleness.csv yet")
-    table = rs.summary_table(rs.read_rows(csv), rs.toy_deltas(ROOT / "results" / "staleness.csv"))
+    rows, toy = rs.read_rows(csv), rs.toy_deltas(ROOT / "results" / "staleness.csv")
+    table = rs.summary_table(rows, toy) + "\n" + rs.ranking_table(rows, toy)
     assert table == (ROOT / "results" / "real_staleness_table.md").read_text()
+
+
+def test_the_ranking_orders_by_the_paired_difference_and_counts_agreeing_pairs():
+    rows = [row(rs.BASELINE, 1, s, 12, a) for s, a in ((0, 0.30), (1, 0.40))]
+    for c, ends in (("current", (0.10, 0.20)), ("behaviour", (0.25, 0.35)), ("rec", (0.30, 0.44))):
+        rows += [row(c, 4, s, 12, a) for s, a in enumerate(ends)]  # differences -0.2, -0.05, +0.02 (mean)
+    toy = {("current", 4): [-0.1], ("behaviour", 4): [0.02], ("rec", 4): [0.03]}
+    line = rs.ranking_table(rows, toy).splitlines()[2]
+    assert line.startswith("| 4 | rec (+0.020), behaviour (-0.050), current (-0.200) |")
+    assert "| rec (+0.030), behaviour (+0.020), current (-0.100) | 3/3 |" in line
+    toy[("rec", 4)] = [0.0]  # the toy now puts behaviour above rec: one pair of three disagrees
+    assert rs.ranking_table(rows, toy).splitlines()[2].endswith("| 2/3 |")
