@@ -249,6 +249,10 @@ def summary_table(rows: list[dict], toy: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _best_first(diffs: dict[str, float]) -> str:
+    return ", ".join(f"{c} ({x:+.3f})" for c, x in sorted(diffs.items(), key=lambda cx: -cx[1]))
+
+
 def ranking_table(rows: list[dict], toy: dict) -> str:
     """Markdown: per v, the corrections best first by their mean difference to v = 1, on the real model and on the
     toy (the four the toy has), and how many of the pairs of those four the two put in the same order."""
@@ -260,11 +264,10 @@ def ranking_table(rows: list[dict], toy: dict) -> str:
         real = {c: statistics.fmean(f[c, v][s] - base[s] for s in f[c, v] if s in base)
                 for c in CORRECTIONS if (c, v) in f and any(s in base for s in f[c, v])}  # fmt: skip
         theirs = {c: statistics.fmean(t) for c in real if (t := toy.get((TOY.get(c), v)))}
-        order = lambda d: ", ".join(f"{c} ({x:+.3f})" for c, x in sorted(d.items(), key=lambda cx: -cx[1]))  # noqa: E731
         both = sorted(theirs)
         pairs = [(a, b) for i, a in enumerate(both) for b in both[i + 1 :]]
         same = sum((real[a] - real[b]) * (theirs[a] - theirs[b]) > 0 for a, b in pairs)
-        lines.append(f"| {v} | {order(real)} | {order(theirs) or '—'} | {same}/{len(pairs)} |")
+        lines.append(f"| {v} | {_best_first(real)} | {_best_first(theirs) or '—'} | {same}/{len(pairs)} |")
     return "\n".join(lines) + "\n"
 
 
