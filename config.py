@@ -55,7 +55,7 @@ class Config:
     offpolicy_steps: int = arg(
         1, "v: every v steps the policy samples the next v steps' batches at once (alpha = pi_theta; 1 = on-policy)"
     )
-    alpha_logp: str = arg(
+    alpha_logp_from: str = arg(
         "recompute",
         "log alpha of a cycle's later batches: recompute (a no-grad forward of pi_theta at the refresh, the "
         "training forward's numerics) or sampler (the log-probs the sampler recorded; no extra forward)",
@@ -85,10 +85,10 @@ class Config:
     clip_eps: float = arg(0.2, "eps_low, the lower clip width")
     clip_eps_high: float | None = arg(None, "eps_high, the upper clip width (default: --clip-eps)")
     clip_center: str = arg(
-        "current",
-        "centre of the clip interval: current (rho' of [A]), behaviour (1, PPO), or decoupled (AReaL: clip "
-        "r = pi_theta/pi_k around 1, weight by rho')",
-        ["current", "behaviour", "decoupled"],
+        "pi_k",
+        "what the clip interval is centred on: pi_k ([A]: rho = pi_theta/alpha within rho' = pi_k/alpha +- eps), "
+        "alpha (PPO: rho within 1 +- eps), or decoupled (AReaL: r = pi_theta/pi_k within 1 +- eps, weighted by rho')",
+        ["pi_k", "alpha", "decoupled"],
     )
     is_cap: float | None = arg(None, "TIS: cap the decoupled centre's weight rho' at this value (>= 1)")
     is_mask: float | None = arg(
@@ -111,21 +111,21 @@ class Config:
         "loss aggregation: token-mean, seq-mean (GRPO), constant (Dr. GRPO)",
         ["token-mean", "seq-mean", "constant"],
     )
-    tau_reg: float = arg(0.1, "OPMD's regulariser, (tau_reg / 2) * (logp - behaviour_logp)^2")
+    tau_reg: float = arg(0.1, "OPMD's regulariser, (tau_reg / 2) * (log pi_theta - log alpha)^2")
     # --- optimisation ---------------------------------------------------------------------
     lr: float = arg(5e-5, "AdamW learning rate (the studies in results/ compare 5e-5 and 1e-4 on the built-in task)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clipping")
     inner_steps: int = arg(1, "optimizer steps on each batch ([A]'s i); > 1 reuses samples")
     micro_batch: int | None = arg(None, "sequences per forward/backward chunk (default: the whole batch N)")
-    # --- fitting the model in memory (run_io.fit_policy) -----------------------------------------
+    # --- fitting the model in memory (policy.fit_policy) -----------------------------------------
     gradient_checkpointing: bool = arg(
         False, "recompute each decoder layer's activations in the backward (transformers', non-reentrant)"
     )
     param_dtype: str = arg(
         "float32",
         "dtype of the trained weights and their gradients: float32, or bfloat16 (every pass in bfloat16; AdamW "
-        "keeps float32 moments and rounds each update stochastically into the weights: step.BF16AdamW)",
+        "keeps float32 moments and rounds each update stochastically into the weights: policy.BF16AdamW)",
         ["float32", "bfloat16"],
     )
     lora_rank: int = arg(0, "LoRA rank r (0 = full fine-tuning); needs peft. pi_ref is the base, adapter off")

@@ -1,18 +1,15 @@
-"""Decoders for `rollout.generate`: how the next-token logits of N rows are computed, step by step.
+"""The fast sampling path of `rollout.generate` on CUDA: an optimisation beside `rollout.sample`, the reference.
 
-Two paths, one interface (`prefill` the B prompts once and fan them out to N = B*G rows, then `decode`
-one token per row at a time; each returns the (N, V) next-token logits):
-    DynamicDecoder   transformers' DynamicCache, one column longer each step. The CPU path and the reference.
-    StaticDecoder    a static KV cache written in place; on CUDA the decode step is captured once as a CUDA
-                     graph and replayed, so a step costs no Python per layer (gpt-fast's technique).
-`choose_decoder` picks one for `generate` (`sampling_path(model)` says which it would pick, and the static
-path is tried once per model before it is trusted); `sample_exponential_race` is the fast path's sampler.
-tests/test_fastpath.py checks that the two paths agree.
+    sample_static        rollout.sample's loop on a static KV cache, written in place; on CUDA the decode step
+                         is captured once as a CUDA graph and replayed, so a step costs no Python per layer
+                         (gpt-fast's technique). It samples by the exponential race (`sample_exponential_race`).
+    use_static_decoder   whether `generate` takes it: on CUDA, for models it fits, once a probe step worked
+    sampling_path        the name of the path `generate` would take ("plain", "static-cache", "+cuda-graph")
 
-Deviations from transformers' own generate:
-  1. A group's G rows share their prompt: the prefill runs each of the B prompts once.
-  2. The static path passes its own boolean sdpa mask (True = visible) as a dict, so it applies only to
-     models with sdpa attention and full-attention layers; anything else samples on the plain path.
+tests/test_fastpath.py checks that the two paths agree (greedy tokens identical, sampled log-probs against a full
+forward). Deviation from transformers' own static cache: the path passes its own boolean sdpa mask (True =
+visible) as a dict, so it applies only to models with sdpa attention and full-attention layers; anything else
+samples on the plain path.
 """
 
 import inspect
@@ -20,38 +17,9 @@ import warnings
 import weakref
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-from logprobs import cache_kwarg, position_ids_from_mask
-
-
-def _last_logits_only(model) -> dict:
-    """Ask for the last position's logits only: the prefill would otherwise build (N, P, V) ones."""
-    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-
-
-class DynamicDecoder:
-    """The plain path and the reference: transformers' DynamicCache, one column longer each step."""
-
-    def prefill(self, model, ids: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Run the B prompts (B, P) once, then give each of the N rows its prompt's cache; logits (N, V)."""
-        pos = position_ids_from_mask(mask)  # (B, P)
-        self.cache = {cache_kwarg(model): DynamicCache(), **_last_logits_only(model)}  # filled in place
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **self.cache)
-        self.cache[cache_kwarg(model)].batch_select_indices(rows)  # (B, ...) -> (N, ...)
-        self.attn, self.pos = mask[rows], pos[rows, -1:]  # (N, P), (N, 1)
-        return out.logits[rows, -1, :]  # (N, V)
-
-    def decode(self, model, token: torch.Tensor) -> torch.Tensor:
-        self.attn = torch.cat([self.attn, torch.ones_like(token[:, None])], dim=1)  # (N, P+t+1)
-        self.pos = self.pos + 1  # (N, 1)
-        out = model(
-            input_ids=token[:, None], attention_mask=self.attn, position_ids=self.pos, use_cache=True, **self.cache
-        )
-        return out.logits[:, -1, :]  # (N, V)
-
-
-# --- the fast path (CUDA): a static KV cache, the decode step replayed as a CUDA graph ------------
+from logprobs import cache_kwarg, last_logits_only, position_ids_from_mask
 
 
 def sampling_path(model, fast: bool | None = None) -> str:
@@ -90,7 +58,7 @@ class StaticDecoder:
         self.mask = torch.zeros(n, 1, 1, length, dtype=torch.bool, device=device)  # (N, 1, 1, L) visible columns
         # On CUDA: the captured decode step and its output.
         self.graph, self.logits = None, None
-        self.kw = {cache_kwarg(model): self, **_last_logits_only(model)}
+        self.kw = {cache_kwarg(model): self, **last_logits_only(model)}
         # transformers < 5.2x would ask the cache for cache_position otherwise; only caches read it, ours does not.
         if "cache_position" in inspect.signature(model.forward).parameters:
             self.kw["cache_position"] = self.write
@@ -215,24 +183,73 @@ def _try_static_path(model, device) -> None:
     dec._forward(model)
 
 
-def choose_decoder(model, n: int, length: int, device, fast: bool | None = None, log=warnings.warn):
-    """The decoder `generate` runs for N rows of up to `length` tokens, and its path's name.
+def use_static_decoder(model, n: int, length: int, fast: bool | None = None, log=warnings.warn) -> bool:
+    """Whether `rollout.generate` samples N rows of up to `length` tokens with `sample_static`.
 
-    fast=False: the plain DynamicDecoder. fast=True: the static cache, whatever happens (errors are the
-    caller's). fast=None (auto): the static cache where `sampling_path` allows it (CUDA), once it has
-    taken one probe step on this model; should the probe fail with one of _PATH_ERRORS, the reason is
-    logged and the model samples plainly from then on.
+    fast=False: no. fast=True: yes, whatever happens (errors are the caller's). fast=None (auto): where
+    `sampling_path` allows it (CUDA), once the static cache has taken one probe step on this model; should the
+    probe fail with one of _PATH_ERRORS, the reason is logged and the model samples plainly from then on.
     """
-    path = sampling_path(model, fast)
-    if path == "plain":
-        return DynamicDecoder(), path
+    if sampling_path(model, fast) == "plain":
+        return False
     if fast is None and model not in _TRIED:
         try:
-            _try_static_path(model, device)
+            _try_static_path(model, next(model.parameters()).device)
         except _PATH_ERRORS as e:
             log(f"rollout: the static-cache path failed, this model samples plainly from now on ({e!r})")
             _NO_FAST.add(model)
             _DECODERS.pop(model, None)
-            return DynamicDecoder(), "plain"
+            return False
         _TRIED.add(model)
-    return static_decoder(model, n, length, device), path
+    return True
+
+
+@torch.no_grad()
+def sample_static(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    eos_token_id: int,
+    pad_token_id: int,
+    generator: torch.Generator | None,
+    ignore_eos: bool,
+) -> dict:
+    """rollout.sample's loop on the static cache: the same arguments and result, the same tokens when greedy. It
+    samples by the exponential race (no cumulative sum over V) and checks for EOS and non-finite logits every 16
+    steps rather than every step (each check is a host sync)."""
+    n, device = rows.numel(), rows.device
+    dec = static_decoder(model, n, prompt_ids.shape[1] + max_new_tokens, device)
+    logits = dec.prefill(model, prompt_ids, prompt_mask, rows)  # (N, V)
+    if not torch.isfinite(logits).all():
+        raise FloatingPointError("generate: the sampler's logits are not finite")
+    tokens, logps, entropies = [], [], []
+    alive = torch.ones(n, dtype=torch.bool, device=device)  # (N,) no EOS yet
+    lengths = torch.zeros(n, dtype=torch.long, device=device)  # (N,) tokens kept so far
+    for t in range(max_new_tokens):
+        if t > 0:
+            logits = dec.decode(model, tokens[-1])  # (N, V)
+        logits = logits.float()  # (N, V)
+        if temperature > 0:
+            logp_all = torch.log_softmax(logits / temperature, dim=-1)  # (N, V)
+            nxt = sample_exponential_race(logp_all.exp(), generator)  # (N,)
+        else:
+            logp_all = torch.log_softmax(logits, dim=-1)  # (N, V)
+            nxt = logits.argmax(dim=-1)  # (N,)
+        entropy = -(logp_all.exp() * logp_all).sum(dim=-1)  # (N,)
+        nxt = torch.where(alive, nxt, torch.full_like(nxt, pad_token_id))  # (N,) pad after EOS
+        tokens.append(nxt)
+        logps.append(torch.where(alive, logp_all.gather(1, nxt.unsqueeze(1)).squeeze(1), torch.zeros_like(entropy)))
+        entropies.append(torch.where(alive, entropy, torch.zeros_like(entropy)))
+        lengths += alive.long()
+        if not ignore_eos:
+            alive = alive & (nxt != eos_token_id)
+            if t % 16 == 15 and not alive.any():
+                break
+    # The race picks a token even from NaN logits: a diverged policy shows in the log-probs instead.
+    if not (torch.isfinite(torch.stack(logps)).all() and torch.isfinite(torch.stack(entropies)).all()):
+        raise FloatingPointError("generate: the sampler's logits are not finite")
+    return dict(tokens=tokens, logps=logps, entropies=entropies, lengths=lengths, alive=alive)

@@ -1,17 +1,14 @@
-"""Per-token log-probs of given completions under a causal LM: `token_logprobs`, and nothing else.
+"""Per-token log-probs of given completions under a causal LM, from logits / temperature.
 
-This file imports only torch (and the standard library), so it can be copied alone into another
-project; it reads the batch layout of rollout.py:
+    token_logprobs           the textbook: log_softmax(logits / tau).gather(y), what a reader copies
+    chunked_token_logprobs   the same values, computed without the (N, T, V) float32 logits: an optimisation
+                             for real vocabularies, tested equal to the textbook (tests/test_rollout.py)
+
+The batch layout is rollout.py's:
     input_ids, attention_mask  (N, P+T)  prompts left-padded, then completions right-padded
     completion_mask            (N, T)    1 on the completion tokens to score (up to and including EOS)
-Position ids come from the attention mask (cumsum - 1), so a left-padded prompt sees the positions
-of the unpadded one.
-
-Deviations from the textbook `log_softmax(model(x).logits)[y]`:
-  1. The (N, T, V) float32 logits are never built: `SelectedLogProb` runs the LM head in row chunks,
-     keeps only each row's log-sum-exp, and recomputes the chunk in backward.
-  2. Adjacent rows with one prompt (a group's G completions) run the prompt once and share its
-     KV cache, indexed per row; values and gradients are those of one plain pass.
+Position ids come from the attention mask (cumsum - 1), so a left-padded prompt sees the positions of the
+unpadded one. This file imports only torch (and the standard library): it can be copied alone.
 """
 
 import inspect
@@ -25,9 +22,36 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)  # (N, L)
 
 
+def token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """log pi(y_t | prompt, y_<t) of each completion token under `model`, from logits / temperature: (N, T) float32,
+    0 where completion_mask is 0, differentiable when grad is on. temperature 0 (greedy) scores at tau = 1."""
+    t = completion_mask.shape[1]
+    tau = temperature if temperature > 0 else 1.0
+    pos = position_ids_from_mask(attention_mask)  # (N, P+T)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).logits  # (N, P+T, V)
+    logits = logits[:, -t - 1 : -1].float() / tau  # (N, T, V) position P+j-1 predicts completion token j
+    y = input_ids[:, -t:]  # (N, T)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)  # (N, T)
+    return torch.where(completion_mask.bool(), logp, 0.0)  # (N, T)
+
+
+# --- the optimisation: the same log-probs without the (N, T, V) logits ---------------------------------------
+
+
 def cache_kwarg(model) -> str:
     """transformers renamed `past_key_values` to `cache` in 5.2x (argument and output); accept both."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def last_logits_only(model) -> dict:
+    """Ask for the last position's logits only: a prompt's forward would otherwise build (N, P, V) of them."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 class SelectedLogProb(torch.autograd.Function):
@@ -123,7 +147,7 @@ def completion_states(decoder, input_ids, attention_mask, pos, t: int) -> torch.
     return torch.cat([last[rows], rest[:, :-1]], dim=1)  # (N, T, H)
 
 
-def token_logprobs(
+def chunked_token_logprobs(
     model,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -131,7 +155,8 @@ def token_logprobs(
     temperature: float,
     chunk: int = 1024,
 ) -> torch.Tensor:
-    """Per-token log-probs of the completions under `model`, from logits / temperature.
+    """`token_logprobs`, without building the (N, T, V) float32 logits: the LM head runs in row chunks over the
+    scored tokens only (`SelectedLogProb`), and a group's G rows run their shared prompt once (`completion_states`).
 
     Args:
         input_ids, attention_mask: (N, P+T), prompts left-padded then completions right-padded.

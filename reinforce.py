@@ -5,7 +5,7 @@ the sampler by a squared log-ratio).
 Each is two steps, as objective.py's surrogate: a per-token function (`rec_per_token`, `opmd_per_token`) and
 the loss that aggregates it (`rec_loss`, `opmd_loss`) with objective.py's `aggregate` (token-mean, seq-mean or
 constant; micro-batches pass the whole step's `total`). Shapes as in objective.py: log-probs (N, T), a
-`completion_mask` (N, T), advantages (N,) per sequence or (N, T) per token.
+`loss_mask` (N, T), advantages (N,) per sequence or (N, T) per token.
 """
 
 from typing import NamedTuple
@@ -19,7 +19,7 @@ class RecTerms(NamedTuple):
     """`rec_per_token`'s result, all (N, T)."""
 
     objective: torch.Tensor  # o_t, with grad through logp only
-    ratio: torch.Tensor  # rho_t, detached
+    rho: torch.Tensor  # rho_t, detached
     clip_low: torch.Tensor  # bool: tokens M_t drops below 1 - eps_low (A < 0)
     clip_high: torch.Tensor  # bool: tokens M_t drops above 1 + eps_high (A > 0)
 
@@ -28,12 +28,12 @@ class OpmdTerms(NamedTuple):
     """`opmd_per_token`'s result, both (N, T)."""
 
     per_token: torch.Tensor  # l_t, with grad
-    log_ratio: torch.Tensor  # log rho_t = logp_t - behaviour_logp_t, with grad
+    log_rho: torch.Tensor  # log rho_t = logp_t - alpha_logp_t, with grad
 
 
 def rec_per_token(
     logp: torch.Tensor,
-    behaviour_logp: torch.Tensor,
+    alpha_logp: torch.Tensor,
     advantages: torch.Tensor,
     *,
     clip_eps: float = 0.2,
@@ -46,33 +46,33 @@ def rec_per_token(
         o_t = A * sg(rho_t) * logp_t * M_t  (rec-is, importance_weight=True)
 
         M_t = 1[A > 0 and rho_t <= 1 + eps_high] + 1[A < 0 and rho_t >= 1 - eps_low]
-        rho_t = exp(logp_t - behaviour_logp_t), detached (sg = stop-gradient)
+        rho_t = exp(logp_t - alpha_logp_t), detached (sg = stop-gradient)
 
-    Legend: pi_theta -> logp (N, T), with grad; alpha -> behaviour_logp (N, T); A -> advantages, (N,) per
+    Legend: pi_theta -> logp (N, T), with grad; alpha -> alpha_logp (N, T); A -> advantages, (N,) per
     sequence or (N, T) per token; eps_low -> clip_eps; eps_high -> clip_eps_high (None means clip_eps).
 
-    Returns, all (N, T): objective (o_t, with grad through logp only), ratio (rho_t, detached), and the bool
+    Returns, all (N, T): objective (o_t, with grad through logp only), rho (rho_t, detached), and the bool
     masks clip_low / clip_high of the tokens M_t drops below 1 - eps_low (A < 0) / above 1 + eps_high (A > 0).
     """
     eps_low = clip_eps
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     adv = token_advantages(advantages, logp.dtype)  # (N, 1) or (N, T)
-    ratio = torch.exp(logp.detach() - behaviour_logp.detach())  # (N, T) detached rho
-    keep_pos = (adv > 0) & (ratio <= 1.0 + eps_high)  # (N, T)
-    keep_neg = (adv < 0) & (ratio >= 1.0 - eps_low)  # (N, T)
+    rho = torch.exp(logp.detach() - alpha_logp.detach())  # (N, T) detached rho
+    keep_pos = (adv > 0) & (rho <= 1.0 + eps_high)  # (N, T)
+    keep_neg = (adv < 0) & (rho >= 1.0 - eps_low)  # (N, T)
     m = (keep_pos | keep_neg).to(logp.dtype)  # (N, T) M_t
-    weight = ratio if importance_weight else torch.ones_like(ratio)  # (N, T)
+    weight = rho if importance_weight else torch.ones_like(rho)  # (N, T)
     objective = adv * weight * logp * m  # (N, T)
-    clip_low = (adv < 0) & (ratio < 1.0 - eps_low)  # (N, T)
-    clip_high = (adv > 0) & (ratio > 1.0 + eps_high)  # (N, T)
-    return RecTerms(objective, ratio, clip_low, clip_high)
+    clip_low = (adv < 0) & (rho < 1.0 - eps_low)  # (N, T)
+    clip_high = (adv > 0) & (rho > 1.0 + eps_high)  # (N, T)
+    return RecTerms(objective, rho, clip_low, clip_high)
 
 
 def rec_loss(
     logp: torch.Tensor,
-    behaviour_logp: torch.Tensor,
+    alpha_logp: torch.Tensor,
     advantages: torch.Tensor,
-    completion_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
     *,
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
@@ -81,91 +81,81 @@ def rec_loss(
     max_new_tokens: int | None = None,
     total: float | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """REC of [B] (Yao et al. 2025): REINFORCE with a one-sided clip mask, no importance weight.
+    """REC / REC-IS of [B] as a loss: - agg_t o_t, with o_t and M_t as `rec_per_token` states them.
 
-        loss = - agg_t [ A * logp_t * M_t ]            (rec)
-        loss = - agg_t [ A * sg(rho_t) * logp_t * M_t ] (rec-is, importance_weight=True)
+    The mask drops exactly the tokens that PPO's clip would silence: positive-advantage tokens already made much
+    more likely than the sampler made them, and negative ones already made much less likely. Its gradient is
+    A M_t grad logp_t: plain REINFORCE on the kept tokens.
 
-        M_t = 1[A > 0 and rho_t <= 1 + eps_high] + 1[A < 0 and rho_t >= 1 - eps_low]
-        rho_t = exp(logp_t - behaviour_logp_t), detached (sg = stop-gradient)
-
-    The mask drops exactly the tokens that PPO's clip would silence: positive-advantage tokens
-    already made much more likely than the sampler made them, and negative ones already made
-    much less likely. Its gradient is A * M_t * grad logp_t: plain REINFORCE on the kept tokens.
-    The per-token term is `rec_per_token`'s.
-
-    Returns (loss, stats) with stats clip_low / clip_high (fraction of tokens masked on each
-    side), ratio_mean and tokens.
+    Returns (loss, stats) with stats clip_low / clip_high (the fraction of tokens masked on each side), rho_mean
+    and tokens.
     """
-    (behaviour_logp,) = neutral_outside(completion_mask, logp, behaviour_logp)
-    objective, ratio, clip_low, clip_high = rec_per_token(
+    (alpha_logp,) = neutral_outside(loss_mask, logp, alpha_logp)
+    objective, rho, clip_low, clip_high = rec_per_token(
         logp,
-        behaviour_logp,
+        alpha_logp,
         advantages,
         clip_eps=clip_eps,
         clip_eps_high=clip_eps_high,
         importance_weight=importance_weight,
     )
-    mask = completion_mask.to(logp.dtype)  # (N, T)
-    loss = -aggregate(objective, completion_mask, agg, max_new_tokens, total)
+    mask = loss_mask.to(logp.dtype)  # (N, T)
+    loss = -aggregate(objective, loss_mask, agg, max_new_tokens, total)
     with torch.no_grad():
         stats = {
             "clip_low": masked_mean(clip_low.to(mask.dtype), mask),
             "clip_high": masked_mean(clip_high.to(mask.dtype), mask),
-            "ratio_mean": masked_mean(ratio, mask),
+            "rho_mean": masked_mean(rho, mask),
             "tokens": mask.sum().item(),
         }
     return loss, stats
 
 
 def opmd_per_token(
-    logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor, *, tau_reg: float = 0.1
+    logp: torch.Tensor, alpha_logp: torch.Tensor, advantages: torch.Tensor, *, tau_reg: float = 0.1
 ) -> OpmdTerms:
     """The per-token loss of OPMD ([B]), before the aggregation (`opmd_loss` is agg of it; a loss, not an o_t).
 
-        l_t = - A * logp_t + (tau_reg / 2) * (logp_t - behaviour_logp_t)^2
+        l_t = - A * logp_t + (tau_reg / 2) * (logp_t - alpha_logp_t)^2
 
-    Legend: pi_theta -> logp (N, T), with grad; alpha -> behaviour_logp (N, T); A -> advantages, (N,) per
+    Legend: pi_theta -> logp (N, T), with grad; alpha -> alpha_logp (N, T); A -> advantages, (N,) per
     sequence or (N, T) per token (group-mean advantages r - mean(r), as [B] derives it); tau_reg -> tau_reg.
 
-    Returns, both (N, T): per_token (l_t, with grad) and log_ratio (log rho_t = logp_t - behaviour_logp_t, with grad).
+    Returns, both (N, T): per_token (l_t, with grad) and log_rho (log rho_t = logp_t - alpha_logp_t, with grad).
     """
     adv = token_advantages(advantages, logp.dtype)  # (N, 1) or (N, T)
-    log_ratio = logp - behaviour_logp.detach()  # (N, T)
-    per_token = -adv * logp + 0.5 * tau_reg * log_ratio**2  # (N, T)
-    return OpmdTerms(per_token, log_ratio)
+    log_rho = logp - alpha_logp.detach()  # (N, T)
+    per_token = -adv * logp + 0.5 * tau_reg * log_rho**2  # (N, T)
+    return OpmdTerms(per_token, log_rho)
 
 
 def opmd_loss(
     logp: torch.Tensor,
-    behaviour_logp: torch.Tensor,
+    alpha_logp: torch.Tensor,
     advantages: torch.Tensor,
-    completion_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
     *,
     tau_reg: float = 0.1,
     agg: str = "token-mean",
     max_new_tokens: int | None = None,
     total: float | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """OPMD of [B]: REINFORCE regularised towards the sampler by a squared log-ratio.
+    """OPMD of [B] as a loss: agg_t l_t, with l_t as `opmd_per_token` states it.
 
-        loss = agg_t [ - A * logp_t + (tau_reg / 2) * (logp_t - behaviour_logp_t)^2 ]
+    The caller passes group-mean advantages (r - mean(r), `scale_std=False`), as [B] derives it. The quadratic term
+    is the online-mirror-descent proximal penalty: it pulls pi_theta back to the sampler alpha in proportion to how
+    far it has moved, instead of clipping.
 
-    The caller passes group-mean advantages (r - mean(r), `scale_std=False`), as [B] derives it.
-    The quadratic term is the online-mirror-descent proximal penalty: it pulls pi_theta back to
-    the sampler alpha in proportion to how far it has moved, instead of clipping.
-    The per-token term is `opmd_per_token`'s.
-
-    Returns (loss, stats) with stats ratio_mean, sq_log_ratio (mean of the squared log-ratio) and tokens.
+    Returns (loss, stats) with stats rho_mean, sq_log_ratio (the mean of the squared log-ratio) and tokens.
     """
-    (behaviour_logp,) = neutral_outside(completion_mask, logp, behaviour_logp)
-    per_token, log_ratio = opmd_per_token(logp, behaviour_logp, advantages, tau_reg=tau_reg)
-    mask = completion_mask.to(logp.dtype)  # (N, T)
-    loss = aggregate(per_token, completion_mask, agg, max_new_tokens, total)
+    (alpha_logp,) = neutral_outside(loss_mask, logp, alpha_logp)
+    per_token, log_rho = opmd_per_token(logp, alpha_logp, advantages, tau_reg=tau_reg)
+    mask = loss_mask.to(logp.dtype)  # (N, T)
+    loss = aggregate(per_token, loss_mask, agg, max_new_tokens, total)
     with torch.no_grad():
         stats = {
-            "ratio_mean": masked_mean(torch.exp(log_ratio), mask),
-            "sq_log_ratio": masked_mean(log_ratio**2, mask),
+            "rho_mean": masked_mean(torch.exp(log_rho), mask),
+            "sq_log_ratio": masked_mean(log_rho**2, mask),
             "tokens": mask.sum().item(),
         }
     return loss, stats

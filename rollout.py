@@ -1,37 +1,34 @@
-"""Rollouts: sample G completions per prompt from the behaviour policy, and score tokens.
+"""Rollouts: G completions per prompt sampled from alpha, the stale policy, and the batches of a refresh cycle.
 
-`generate` samples from the behaviour (stale) policy alpha with a KV cache, token by token,
-from softmax(logits / temperature), with an explicit torch.Generator so that runs are
-reproducible; `generate_batches` samples several steps' batches in as few calls as a row cap allows
-(a refresh cycle's, step.py). `logprobs.token_logprobs` computes log pi(y_t | prompt, y_<t) for given
-completions under any model, from logits / temperature, i.e. under the distribution that was sampled.
+`generate` samples with a KV cache, token by token, from softmax(logits / temperature), with an explicit
+torch.Generator so that runs are reproducible (`sample` is the loop). `generate_batches` samples the v batches of
+a refresh cycle in as few calls as a row cap allows (step.sample_cycle); a `Cycle` holds them until their steps.
 
 Layout of a batch (the convention every other file uses):
-    prompt_ids   (N, P)  left-padded, so every prompt ends at column P-1
-    completion   (N, T)  right-padded; a completion ends at its first EOS, which is kept
-    input_ids    (N, P+T) = cat(prompt_ids, completion_ids)
-    attention_mask (N, P+T) = cat(prompt_mask, completion_mask)
-    completion_mask (N, T)  1 on completion tokens up to and including EOS
-Position ids are computed from the attention mask (cumsum - 1), so a left-padded prompt sees
-the same positions as the unpadded one.
+    prompt_ids      (N, P)    left-padded, so every prompt ends at column P-1
+    completion_ids  (N, T)    right-padded; a completion ends at its first EOS, which is kept
+    input_ids       (N, P+T)  = cat(prompt_ids, completion_ids)
+    attention_mask  (N, P+T)  = cat(prompt_mask, completion_mask)
+    completion_mask (N, T)    1 on completion tokens up to and including EOS
+Position ids come from the attention mask (cumsum - 1), so a left-padded prompt sees the positions of the
+unpadded one.
 
 Deviations from common practice:
-  1. Log-probs never build the (N, T, V) float32 logits: `logprobs.SelectedLogProb` runs the LM head in
-     row chunks, keeps only each row's log-sum-exp, and recomputes the chunk in backward.
-  2. The sampler is our own loop rather than `model.generate`, so that it takes a generator,
-     returns the sampled tokens' log-probs and entropies, and treats EOS uniformly.
-  3. On CUDA, `generate` takes a fast path (gpt-fast's technique, in decoding.py): a static KV cache
-     written in place, and the decode step captured once in a CUDA graph and replayed, so a step costs
-     no Python per layer; it samples by the exponential race (exact, and no cumulative sum over V).
-     The plain loop stays the CPU path and the reference; tests/test_fastpath.py checks they agree.
-  4. A group's G rows share their prompt: sampling and `token_logprobs` run it once per group.
+  1. The sampler is our own loop rather than `model.generate`, so that it takes a generator, returns the sampled
+     tokens' log-probs and entropies, and treats EOS uniformly.
+  2. A group's G rows share their prompt: it runs once per group, and its KV cache is fanned out to the G rows.
+  3. On CUDA `generate` calls decoding.py's `sample_static` instead (gpt-fast's technique: a static KV cache and
+     the decode step replayed as a CUDA graph). `sample` stays the reference; tests/test_fastpath.py checks that
+     the two agree.
 """
 
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 
-from decoding import choose_decoder, sample_exponential_race
+from decoding import sample_static, use_static_decoder
+from logprobs import cache_kwarg, last_logits_only, position_ids_from_mask
 
 
 @dataclass
@@ -42,7 +39,7 @@ class Rollout:
     prompt_mask: torch.Tensor  # (N, P)
     completion_ids: torch.Tensor  # (N, T) sampled tokens, pad after EOS
     completion_mask: torch.Tensor  # (N, T) 1 up to and including EOS
-    sampler_logp: torch.Tensor  # (N, T) log alpha(y_t) as seen while sampling (0 where masked)
+    alpha_logp: torch.Tensor  # (N, T) log alpha(y_t) as the sampler computed it (0 where masked)
     entropy: torch.Tensor  # (N, T) entropy of alpha(. | prefix) at each sampled position
     truncated: torch.Tensor  # (N,) True if the completion hit max_new_tokens without EOS
 
@@ -61,7 +58,10 @@ class Sampled:
 
     rollout: Rollout
     rewards: torch.Tensor  # (N,)
-    alpha_logp: torch.Tensor | None  # (N, T) log alpha; None: alpha = pi_k (the refresh step, --alpha-logp recompute)
+    alpha_logp: torch.Tensor  # (N, T) log alpha: recomputed by a forward of alpha at the refresh, or the sampler's
+    # True for the refresh step's own batch when log alpha is recomputed: alpha is pi_k there, and the update takes
+    # log alpha from pi_k's forward (the training numerics; `alpha_logp` then holds the sampler's, unused).
+    alpha_is_pi_k: bool
 
 
 @dataclass
@@ -78,14 +78,18 @@ class Cycle:
 
     def state(self) -> dict:
         """Plain tensors, ints and dicts: what a checkpoint stores (torch.load(weights_only=True) reads it)."""
-        batches = [{"rollout": vars(b.rollout), "rewards": b.rewards, "alpha_logp": b.alpha_logp} for b in self.batches]
+        batches = [vars(b) | {"rollout": vars(b.rollout)} for b in self.batches]
         return {"start": self.start, "batches": batches}
 
     @classmethod
     def from_state(cls, state: dict, device) -> "Cycle":
-        to = lambda x: None if x is None else x.to(device)  # noqa: E731
         batches = [
-            Sampled(Rollout(**{k: to(v) for k, v in b["rollout"].items()}), to(b["rewards"]), to(b["alpha_logp"]))
+            Sampled(
+                rollout=Rollout(**{k: v.to(device) for k, v in b["rollout"].items()}),
+                rewards=b["rewards"].to(device),
+                alpha_logp=b["alpha_logp"].to(device),
+                alpha_is_pi_k=b["alpha_is_pi_k"],
+            )
             for b in state["batches"]
         ]
         return cls(state["start"], batches, times={})
@@ -106,75 +110,101 @@ def generate(
     ignore_eos: bool = False,
     fast: bool | None = None,
 ) -> Rollout:
-    """Sample `group_size` completions for each of B left-padded prompts.
+    """Sample `group_size` completions for each of B left-padded prompts from `model` (alpha).
 
     Args:
-        model: a transformers causal LM (the behaviour policy alpha).
         prompt_ids, prompt_mask: (B, P) left-padded prompts.
         temperature: > 0 samples from softmax(logits / temperature); 0 decodes greedily.
         generator: the torch.Generator used for sampling (on the model's device).
         ignore_eos: keep sampling past EOS (benchmarks, so every row has the same length).
-        fast: the static-cache path (module docstring, 3); None picks it on CUDA where it applies.
+        fast: the static-cache + CUDA-graph decoder of decoding.py; None picks it on CUDA where it applies.
 
     Returns:
         A Rollout with N = B * group_size rows, ordered group-major.
     """
-    device = prompt_ids.device
-    rows = torch.arange(prompt_ids.shape[0], device=device).repeat_interleave(group_size)  # (N,) each row's prompt
-    ids, mask = prompt_ids[rows], prompt_mask[rows].long()  # (N, P) each
-    n = ids.shape[0]
-    dec, path = choose_decoder(model, n, ids.shape[1] + max_new_tokens, device, fast)
-    plain = path == "plain"
-    last = dec.prefill(model, prompt_ids, prompt_mask.long(), rows)  # (N, V) next-token logits, prompts run once
-    # A diverged policy; train.py counts it as a non-finite step.
-    if not torch.isfinite(last).all():
-        raise FloatingPointError("generate: the sampler's logits are not finite")
-    tokens, logps, ents = [], [], []
-    alive = torch.ones(n, dtype=torch.bool, device=device)  # (N,) no EOS yet
-    lengths = torch.zeros(n, dtype=torch.long, device=device)  # (N,) tokens kept so far
+    rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device).repeat_interleave(group_size)  # (N,) prompt
+    kw = dict(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        generator=generator,
+        ignore_eos=ignore_eos,
+    )
+    if use_static_decoder(model, rows.numel(), prompt_ids.shape[1] + max_new_tokens, fast):
+        steps = sample_static(model, prompt_ids, prompt_mask.long(), rows, **kw)  # the optimisation, decoding.py
+    else:
+        steps = sample(model, prompt_ids, prompt_mask.long(), rows, **kw)
+    return to_rollout(prompt_ids[rows], prompt_mask[rows].long(), **steps)
+
+
+def sample(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    eos_token_id: int,
+    pad_token_id: int,
+    generator: torch.Generator | None,
+    ignore_eos: bool,
+) -> dict:
+    """The sampling loop with transformers' KV cache (the reference): the B prompts (B, P) run once, each of the
+    N rows takes its prompt's cache (`rows`: row -> prompt), then one token per row at a time. Returns `to_rollout`'s
+    per-step lists (tokens, logps, entropies, each (N,) a step) and the rows' lengths and `alive` (N,)."""
+    n = rows.numel()
+    pos = position_ids_from_mask(prompt_mask)  # (B, P)
+    cache = {cache_kwarg(model): DynamicCache(), **last_logits_only(model)}  # filled in place by each forward
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True, **cache)
+    cache[cache_kwarg(model)].batch_select_indices(rows)  # (B, ...) -> (N, ...): a group shares its prompt's cache
+    attn, pos = prompt_mask[rows], pos[rows, -1:]  # (N, P), (N, 1)
+    logits = out.logits[rows, -1, :]  # (N, V) the next token's
+    tokens, logps, entropies = [], [], []
+    alive = torch.ones(n, dtype=torch.bool, device=rows.device)  # (N,) no EOS yet
+    lengths = torch.zeros(n, dtype=torch.long, device=rows.device)  # (N,) tokens kept so far
     for t in range(max_new_tokens):
         if t > 0:
-            last = dec.decode(model, tokens[-1])  # (N, V)
-        logits = last.float()  # (N, V) only the last position is needed
-        if plain and t > 0 and not torch.isfinite(logits).all():  # multinomial would fail on NaN with a
-            raise FloatingPointError("generate: the sampler's logits are not finite")  # bare RuntimeError
+            attn = torch.cat([attn, torch.ones_like(tokens[-1][:, None])], dim=1)  # (N, P+t)
+            pos = pos + 1  # (N, 1)
+            out = model(input_ids=tokens[-1][:, None], attention_mask=attn, position_ids=pos, use_cache=True, **cache)
+            logits = out.logits[:, -1, :]  # (N, V)
+        logits = logits.float()  # (N, V)
+        # A diverged policy (train.py counts it as a non-finite step), before multinomial fails on it.
+        if not torch.isfinite(logits).all():
+            raise FloatingPointError("generate: the sampler's logits are not finite")
         if temperature > 0:
-            logp_all = torch.log_softmax(logits / temperature, dim=-1)  # (N, V)
-            probs = logp_all.exp()  # (N, V)
-            nxt = (
-                torch.multinomial(probs, 1, generator=generator).squeeze(1)
-                if plain
-                else sample_exponential_race(probs, generator)
-            )  # (N,)
+            logp_all = torch.log_softmax(logits / temperature, dim=-1)  # (N, V) log alpha(. | prefix)
+            nxt = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(1)  # (N,)
         else:
             logp_all = torch.log_softmax(logits, dim=-1)  # (N, V)
             nxt = logits.argmax(dim=-1)  # (N,)
-        ent = -(logp_all.exp() * logp_all).sum(dim=-1)  # (N,)
+        entropy = -(logp_all.exp() * logp_all).sum(dim=-1)  # (N,)
         nxt = torch.where(alive, nxt, torch.full_like(nxt, pad_token_id))  # (N,) pad after EOS
         tokens.append(nxt)
-        logps.append(torch.where(alive, logp_all.gather(1, nxt.unsqueeze(1)).squeeze(1), torch.zeros_like(ent)))
-        ents.append(torch.where(alive, ent, torch.zeros_like(ent)))
+        logps.append(torch.where(alive, logp_all.gather(1, nxt.unsqueeze(1)).squeeze(1), torch.zeros_like(entropy)))
+        entropies.append(torch.where(alive, entropy, torch.zeros_like(entropy)))
         lengths += alive.long()
         if not ignore_eos:
             alive = alive & (nxt != eos_token_id)  # EOS itself was kept above
-            # The fast path syncs with the host less often.
-            if (plain or t % 16 == 15) and not alive.any():
+            if not alive.any():
                 break
+    return dict(tokens=tokens, logps=logps, entropies=entropies, lengths=lengths, alive=alive)
 
-    # The step at which the last row ended (the fast path may have gone on)
+
+def to_rollout(prompt_ids, prompt_mask, *, tokens, logps, entropies, lengths, alive) -> Rollout:
+    """A Rollout from a sampling loop's per-step lists, cut at the step the last row ended (a loop may go on)."""
     t = int(lengths.max())
-    logps, ents = torch.stack(logps, dim=1)[:, :t], torch.stack(ents, dim=1)[:, :t]  # (N, T) each
-    if not plain and not (torch.isfinite(logps).all() and torch.isfinite(ents).all()):  # the race picks a token
-        raise FloatingPointError("generate: the sampler's logits are not finite")  # even from NaN logits
-    completion_mask = (torch.arange(t, device=device).unsqueeze(0) < lengths.unsqueeze(1)).long()  # (N, T)
+    completion_mask = (torch.arange(t, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)).long()  # (N, T)
     return Rollout(
-        prompt_ids=ids,
-        prompt_mask=mask,
-        completion_ids=torch.stack(tokens, dim=1)[:, :t],
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=torch.stack(tokens, dim=1)[:, :t],  # (N, T)
         completion_mask=completion_mask,
-        sampler_logp=logps,
-        entropy=ents,
-        truncated=alive,
+        alpha_logp=torch.stack(logps, dim=1)[:, :t],  # (N, T)
+        entropy=torch.stack(entropies, dim=1)[:, :t],  # (N, T)
+        truncated=alive,  # (N,) no EOS by max_new_tokens
     )
 
 
@@ -195,7 +225,7 @@ def cat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         prompt_mask=torch.cat([pad(r.prompt_mask, p, 0, True) for r in parts]),  # (N, P)
         completion_ids=torch.cat([pad(r.completion_ids, t, pad_token_id, False) for r in parts]),  # (N, T)
         completion_mask=torch.cat([pad(r.completion_mask, t, 0, False) for r in parts]),  # (N, T)
-        sampler_logp=torch.cat([pad(r.sampler_logp, t, 0.0, False) for r in parts]),  # (N, T)
+        alpha_logp=torch.cat([pad(r.alpha_logp, t, 0.0, False) for r in parts]),  # (N, T)
         entropy=torch.cat([pad(r.entropy, t, 0.0, False) for r in parts]),  # (N, T)
         truncated=torch.cat([r.truncated for r in parts]),  # (N,)
     )
@@ -212,7 +242,7 @@ def rollout_rows(ro: Rollout, rows: slice) -> Rollout:
         prompt_mask=pm[:, first:],
         completion_ids=ro.completion_ids[rows, :t],
         completion_mask=cm[:, :t],
-        sampler_logp=ro.sampler_logp[rows, :t],
+        alpha_logp=ro.alpha_logp[rows, :t],
         entropy=ro.entropy[rows, :t],
         truncated=ro.truncated[rows],
     )
@@ -230,10 +260,11 @@ def generate_batches(
     mask = torch.cat([left(m, 0) for _, m in prompts])  # (sum B_j, P)
     per_call = max(1, max_rows // group_size)  # prompts per call
     parts = [
-        generate(model, ids[s : s + per_call], mask[s : s + per_call], group_size=group_size,
-                 pad_token_id=pad_token_id, **kw)
+        generate(
+            model, ids[s : s + per_call], mask[s : s + per_call], group_size=group_size, pad_token_id=pad_token_id, **kw
+        )
         for s in range(0, ids.shape[0], per_call)
-    ]  # fmt: skip
+    ]
     whole = cat_rollouts(parts, pad_token_id)
     out, start = [], 0
     for i, _ in prompts:

@@ -39,9 +39,10 @@ from checkpoint import (
 )
 from config import Config, ConfigError, build_parser, config_from_args, validate
 from decoding import sampling_path
+from policy import load_policy
 from reward import math_reward
 from rollout import Cycle, Rollout, generate
-from run_io import RunWriter, current_memory_gb, load_policy, peak_memory_gb
+from run_io import RunWriter, current_memory_gb, peak_memory_gb
 from step import Models, StepResult, grpo_step, make_models
 from tasks import Problem, TaskError, encode_prompts, fit_context, load_task
 
@@ -183,22 +184,12 @@ def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunW
 def metrics_row(step: int, res: StepResult, group_size: int, wall_s: float, step_s: float, device) -> dict:
     """The step's line of metrics.jsonl (README, "Metrics")."""
     # Means over the step's N samples or its completion tokens; the clip and rho' figures are update()'s.
-    ro, rewards, loss_mask = res.rollout, res.rewards, res.batch.loss_mask
+    ro, rewards = res.rollout, res.rewards
     groups = rewards.view(-1, group_size)  # (B, G)
     cm = ro.completion_mask.float()  # (N, T)
     n_tok = cm.sum().item()
-    mismatch = {}
-    # The sampler's own log-probs (KV cache, maybe the static-cache path) against a full forward of the same
-    # model: they should agree to rounding; a large value means sampling and training see different models.
-    # Known where a full forward of alpha ran: every step with --alpha-logp recompute, the refresh step with
-    # sampler (whose stale steps use the sampler's own log-probs and have nothing to compare them with).
-    if res.alpha_logp is not None:
-        # |log alpha while sampling - log alpha of a full forward| over the loss's tokens.
-        on = loss_mask if loss_mask.sum() > 0 else ro.completion_mask  # a step without signal: all its tokens
-        gap = (ro.sampler_logp - res.alpha_logp).abs() * on  # (N, T)
-        mismatch = {"sampler_mismatch": gap.sum().item() / max(on.sum().item(), 1)}
     t = res.times
-    # update()'s statistics (loss, clip fractions, rho' and the sampler-mismatch figures) come as they are.
+    # The step's statistics (loss, clip fractions, rho', sampler_mismatch) come as they are.
     return {
         "step": step,
         "wall_s": wall_s,
@@ -208,7 +199,6 @@ def metrics_row(step: int, res: StepResult, group_size: int, wall_s: float, step
         "completion_len": cm.sum(1).mean().item(),
         "truncated_frac": ro.truncated.float().mean().item(),
         "entropy": (ro.entropy * cm).sum().item() / max(n_tok, 1),
-        **mismatch,
         **res.stats,
         "t_sample": t["refresh"] + t["sample"],  # a cycle's sampling is billed to its refresh step
         "t_score": t["score"],
@@ -245,7 +235,9 @@ def train(cfg: Config) -> dict:
     models, tokenizer, train_set, heldout = setup(cfg, writer, train_set, heldout)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)  # the sampling generator
     v = cfg.offpolicy_steps
-    sampler = f"every {v} steps, the next {v} batches at once (log alpha: {cfg.alpha_logp})" if v > 1 else "every step"
+    sampler = (
+        f"every {v} steps, the next {v} batches at once (log alpha: {cfg.alpha_logp_from})" if v > 1 else "every step"
+    )
     writer.log(f"sampling path: {sampling_path(models.policy)}; the policy samples {sampler}")
     stream = PromptStream(train_set, cfg.seed)
 

@@ -9,14 +9,14 @@ The timed step is train.py's own, `step.grpo_step`; its phases are the ones it t
     sample   at a refresh, rollout.generate_batches of the cycle's v batches (the path is printed: plain or
              static-cache+cuda-graph); 0 at the other steps
     score    the reward function at a refresh (here: decode to text, synthetic rewards); advantages
-    logprob  logprobs.token_logprobs without grad: log alpha of the cycle at a refresh (--alpha-logp
+    logprob  logprobs.chunked_token_logprobs without grad: log alpha of the cycle at a refresh (--alpha-logp-from
              recompute), pi_ref when --beta > 0
     update   step.update: forward, backward and the AdamW step, micro-batched
 With v > 1 the steps of a cycle differ (the refresh does the sampling), so the figure to compare is the mean
 over whole cycles: --warmup and --steps are rounded up to multiples of v, and each phase's mean is printed,
 then, as the last line, one JSON object: step_s_mean (mean seconds per step), step_s (the median), phases
 (means), tokens_per_s, peak_mem_gb (CUDA: peak allocated; CPU: peak resident set). Several values of
---offpolicy-steps or --alpha-logp run one process each, one after the other, and end with a table.
+--offpolicy-steps or --alpha-logp-from run one process each, one after the other, and end with a table.
 
 Where it departs from a training run, so that runs are comparable:
   1. Every completion runs to --max-new-tokens (no early EOS), so each step does the same work.
@@ -50,7 +50,8 @@ from benchmarks.compare import FITS, compare, fit_name
 from config import Config, ConfigError, resolve, validate
 from decoding import sampling_path
 from integrations.trl_bench import subclass_step_times, trl_step_times
-from run_io import current_memory_gb, gguf_file, load_gguf, peak_memory_gb, reset_peak_memory
+from policy import gguf_file, load_gguf
+from run_io import current_memory_gb, peak_memory_gb, reset_peak_memory
 from step import clock, grpo_step, make_models
 
 PRESETS = {  # random-weight models with a real model's shape
@@ -67,8 +68,13 @@ PRESETS = {  # random-weight models with a real model's shape
         rms_norm_eps=1e-6,
     ),
 }
-PRESETS["qwen2.5-1.5b-random"] = dict(PRESETS["qwen2.5-0.5b-random"], hidden_size=1536, num_hidden_layers=28,
-                                      num_attention_heads=12, intermediate_size=8960)  # fmt: skip
+PRESETS["qwen2.5-1.5b-random"] = dict(
+    PRESETS["qwen2.5-0.5b-random"],
+    hidden_size=1536,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    intermediate_size=8960,
+)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: benchmarks/ is one level down
 QWEN_TOKENIZER = os.path.join(ROOT, "..", "shared", "data", "qwen2-tokenizer")
 PHASES = ["refresh", "sample", "score", "logprob", "update"]
@@ -94,20 +100,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=16, help="T, tokens per completion (every one runs to T)")
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient; > 0 adds the reference model's pass")
     p.add_argument("--offpolicy-steps", type=int, nargs="+", default=[1], help="v (1 = on-policy); several: compared")
-    p.add_argument("--alpha-logp", nargs="+", choices=["recompute", "sampler"], default=["recompute"],
-                   help="log alpha of the later batches (train.py's flag); several: compared at v > 1")  # fmt: skip
+    p.add_argument(
+        "--alpha-logp-from",
+        nargs="+",
+        choices=["recompute", "sampler"],
+        default=["recompute"],
+        help="log alpha of the later batches (train.py's flag); several: compared at v > 1",
+    )
     p.add_argument("--sample-rows", type=int, default=512, help="most rows per generate call at a refresh")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (default N)")
     # --- fitting the model (train.py's flags; --fit runs several, one process each) --------------------------
     p.add_argument("--gradient-checkpointing", action="store_true", help="as train.py: recompute in the backward")
     p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"], help="as train.py")
     p.add_argument("--lora-rank", type=int, default=0, help="as train.py: LoRA rank (0 = full fine-tuning)")
-    p.add_argument("--fit", nargs="+", choices=list(FITS), default=None,
-                   help="several ways to fit the model, one process each, then a memory table: " + ", ".join(
-                       f"{k} = {' '.join(v) or 'full fine-tuning, float32'}" for k, v in FITS.items()))  # fmt: skip
+    p.add_argument(
+        "--fit",
+        nargs="+",
+        choices=list(FITS),
+        default=None,
+        help="several ways to fit the model, one process each, then a memory table: "
+        + ", ".join(f"{k} = {' '.join(v) or 'full fine-tuning, float32'}" for k, v in FITS.items()),
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    p.add_argument("--sampling", default="auto", choices=["auto", "plain", "fast"],
-                   help="generate's path: auto (fast on CUDA), plain (the loop), fast (static cache)")  # fmt: skip
+    p.add_argument(
+        "--sampling",
+        default="auto",
+        choices=["auto", "plain", "fast"],
+        help="generate's path: auto (fast on CUDA), plain (the loop), fast (static cache)",
+    )
     # --- timing -------------------------------------------------------------------------------------
     p.add_argument("--steps", type=int, default=5, help="timed steps, rounded up to whole refresh cycles")
     p.add_argument(
@@ -158,7 +178,7 @@ def load_model(name: str, device: torch.device, seed: int):
         return model.to(device), tok, f"{gguf.name} (GGUF, dequantized to float32)"
     tok = AutoTokenizer.from_pretrained(name)
     if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token  # as run_io.load_policy: padding is masked explicitly
+        tok.pad_token = tok.eos_token  # as policy.load_policy: padding is masked explicitly
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).to(device)
     return model, tok, name
 
@@ -268,9 +288,9 @@ def trl_prompts(cfg: Config, args, tok, words: list[int]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if len(args.offpolicy_steps) > 1 or len(args.alpha_logp) > 1 or args.fit:
+    if len(args.offpolicy_steps) > 1 or len(args.alpha_logp_from) > 1 or args.fit:
         return compare(args, sys.argv[1:] if argv is None else argv, root=ROOT, phases=PHASES)
-    args.offpolicy_steps, args.alpha_logp = args.offpolicy_steps[0], args.alpha_logp[0]
+    args.offpolicy_steps, args.alpha_logp_from = args.offpolicy_steps[0], args.alpha_logp_from[0]
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = resolve(
@@ -281,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             offpolicy_steps=args.offpolicy_steps,
-            alpha_logp=args.alpha_logp,
+            alpha_logp_from=args.alpha_logp_from,
             sample_rows=args.sample_rows,
             beta=args.beta,
             micro_batch=args.micro_batch,
@@ -332,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"B={cfg.prompts_per_step} G={cfg.group_size} N={n}, "
         f"prompt {args.prompt_len} + {cfg.max_new_tokens} new tokens, "
-        f"beta {cfg.beta}, v={cfg.offpolicy_steps} (log alpha: {cfg.alpha_logp}), micro-batch {cfg.micro_batch or n}; "
+        f"beta {cfg.beta}, v={cfg.offpolicy_steps} (log alpha: {cfg.alpha_logp_from}), "
+        f"micro-batch {cfg.micro_batch or n}; "
         f"means over {ours['timed_steps']} steps after {ours['warmup_steps']} warm-up"
     )
     print(f"{'phase':<10}{'mean s':>10}{'share':>8}")
@@ -357,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         max_new_tokens=cfg.max_new_tokens,
         beta=cfg.beta,
         offpolicy_steps=cfg.offpolicy_steps,
-        alpha_logp=cfg.alpha_logp,
+        alpha_logp_from=cfg.alpha_logp_from,
         micro_batch=cfg.micro_batch or n,
         steps=args.steps,
         fit=fit_name(cfg),

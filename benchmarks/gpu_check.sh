@@ -50,7 +50,7 @@ else
   # Limits per step, 500 s in all; expected about 40 + 110 + 2 x 35 + 60 s (a step of ours should take
   # about 1.5-2 s, with the plain sampler about 7 s; TRL's about 18 s, docs/design.md).
   T_TEST=80 T_TRL=190 T_V4=70 T_PLAIN=90 T_FIT=45
-  # The memory levers (README, "Fitting the model") on the Qwen2.5-1.5B shape: one warm-up and one timed step each.
+  # The memory levers (docs/real-model.md, "Fitting the model") on the Qwen2.5-1.5B shape: one warm-up and one timed step each.
   FIT_SIZES=(--model qwen2.5-1.5b-random --device cuda --dtype bfloat16 --prompts 16 --group 8 --prompt-len 128
              --max-new-tokens 256 --beta 0.04 --micro-batch 32 --warmup 1)
 fi
@@ -91,7 +91,7 @@ step fastpath-tests "$T_TEST" "$PY" -m pytest tests/test_fastpath.py -q -rs
 bench v1 "$T_TRL" "${SIZES[@]}" --offpolicy-steps 1 --steps 4 "${TRL[@]}"
 # One warm-up cycle, then one timed cycle of 4 steps: its refresh samples the 4 batches in one go.
 bench v4 "$T_V4" "${SIZES[@]}" --offpolicy-steps 4 --steps 4
-bench v4-sampler "$T_V4" "${SIZES[@]}" --offpolicy-steps 4 --steps 4 --alpha-logp sampler
+bench v4-sampler "$T_V4" "${SIZES[@]}" --offpolicy-steps 4 --steps 4 --alpha-logp-from sampler
 bench v1-plain-sampling "$T_PLAIN" "${SIZES[@]}" --offpolicy-steps 1 --steps 2 --sampling plain
 for fit in plain ckpt bf16 lora lora+ckpt; do  # one process each, as `--fit` runs them
   bench "fit-$fit" "$T_FIT" "${FIT_SIZES[@]}" --steps 1 $("$PY" -c "import sys; sys.path.insert(0, '.')

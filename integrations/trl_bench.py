@@ -165,10 +165,12 @@ def subclass_step_times(cfg, model_path: str, tok, texts: list[str], warmup: int
         if proc.exitcode != 0:
             raise RuntimeError(f"{name}: its process exited with status {proc.exitcode}")
         times, peak = queue.get(timeout=60)
-        # fmt: off
-        results[name] = {"median_s": statistics.median(times), "mean_s": statistics.fmean(times),
-                         "steps": len(times), "peak_mem_gb": peak}
-        # fmt: on
+        results[name] = {
+            "median_s": statistics.median(times),
+            "mean_s": statistics.fmean(times),
+            "steps": len(times),
+            "peak_mem_gb": peak,
+        }
         print(
             f"{name:<16} step median {results[name]['median_s']:.3f} s, mean {results[name]['mean_s']:.3f} s, "
             f"peak memory {peak:.3f} GB ({len(times)} steps after {warmup} warm-up)",

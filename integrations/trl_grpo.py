@@ -18,7 +18,7 @@ set. Neither set: v = 1, stock TRL's one generation per optimizer step. A GRPO s
      from logits / tau; with v = i = 1 alpha = pi_k and it is None. log pi_k = the step's own forward, detached (until
      the step's optimizer step pi_theta is pi_k); with num_iterations (i) > 1 TRL trains on each slice i times, and
      pi_k is the policy of the slice's first pass (its log-probs kept in the slice for the later passes);
-  4. `objective.policy_loss` (its docstring states [A]'s surrogate; clip_center="behaviour" is PPO / stock TRL), or
+  4. `objective.policy_loss` (its docstring states [A]'s surrogate; clip_center="alpha" is PPO / stock TRL), or
      [B]'s rec / rec-is / opmd, through TRL's optimizer, accumulation and DDP. Z, the normaliser of each optimizer
      step over its GA slices and all P ranks, is counted when the generation is dealt out; each rank divides its sum
      by Z / P, so DDP's gradient average is exactly sum / Z, as on one device.
@@ -41,11 +41,12 @@ checkpoint without them (stock TRL's, another world size) resumes as stock TRL d
 resume step, from the checkpoint's policy, starting a new cycle there.
 
 Deviations from [A]: 1. log pi_k costs no pass (as in train.py); 2. held-out accuracy is greedy (HF generate).
-Departures from stock GRPOTrainer: README, "At scale: TRL". Not supported (one-line error): sequence-level IS,
-off-policy masks, entropy terms, batch reward scaling, normalize_then_sum, vision-language models,
-steps_per_generation not a multiple of GA. Nothing else is refused: PEFT, FSDP, ZeRO-3, rollout_func, MoE models
-(the router's loss added as stock TRL adds it) run TRL's own code (README: what was run here). TRL's
-use_bias_correction_kl (default True) multiplies kl_t by rho_t = pi_theta / alpha (TRL's coef_1), as stock TRL.
+Departures from stock GRPOTrainer: docs/trl.md, "The loss, against stock `GRPOTrainer`". Not supported (one-line
+error): sequence-level IS, off-policy masks, entropy terms, batch reward scaling, normalize_then_sum,
+vision-language models, steps_per_generation not a multiple of GA. Nothing else is refused: PEFT, FSDP, ZeRO-3,
+rollout_func, MoE models (the router's loss added as stock TRL adds it) run TRL's own code (docs/trl.md, "What was
+run here, and what was not"). TRL's use_bias_correction_kl (default True) multiplies kl_t by rho_t = pi_theta /
+alpha (TRL's coef_1), as stock TRL.
 """
 
 import hashlib
@@ -68,8 +69,9 @@ import objective
 import reinforce
 import tiny
 from advantage import group_advantages
+from policy import gguf_file, load_gguf
 from reward import math_reward
-from run_io import atomic_write_text, gguf_file, load_gguf
+from run_io import atomic_write_text
 from tasks import TaskError, encode_prompts, format_prompt, load_task
 
 # TRL loss_type -> this project's aggregation (objective.py): the ones whose math is the same.
@@ -85,7 +87,9 @@ class OffPolicyGRPOConfig(GRPOConfig):
         default=None,
         metadata={"help": "v: one generation every v steps (steps_per_generation = v * GA; unset: from it, else 1)"},
     )
-    clip_center: str = field(default="current", metadata={"help": "current (rho', [A]) or behaviour (1, stock TRL)"})
+    clip_center: str = field(
+        default="pi_k", metadata={"help": "pi_k ([A]: around rho') or alpha (around 1, stock TRL)"}
+    )
     mask_zero_std: bool = field(default=True, metadata={"help": "drop equal-reward groups from loss and normaliser"})
     policy_loss: str = field(default="grpo", metadata={"help": "grpo (clipped surrogate), rec, rec-is, opmd ([B])"})
     tau_reg: float = field(default=0.1, metadata={"help": "opmd's regulariser (tau_reg / 2) (logp - log alpha)^2"})
@@ -99,16 +103,20 @@ class OffPolicyGRPOConfig(GRPOConfig):
         super().__post_init__()
         per_step, rest = divmod(self.steps_per_generation, ga)
         # TRL options this loss does not implement, and the value each must keep
-        # fmt: off
-        fixed = dict(off_policy_mask_threshold=None, delta=None, top_entropy_quantile=1.0, entropy_coef=0.0,
-                     use_adaptive_entropy=False, importance_sampling_level="token",
-                     multi_objective_aggregation="sum_then_normalize")
-        # fmt: on
+        fixed = dict(
+            off_policy_mask_threshold=None,
+            delta=None,
+            top_entropy_quantile=1.0,
+            entropy_coef=0.0,
+            use_adaptive_entropy=False,
+            importance_sampling_level="token",
+            multi_objective_aggregation="sum_then_normalize",
+        )
         unsupported = [k for k, val in fixed.items() if getattr(self, k) != val]
         checks = [
             (rest == 0, f"steps_per_generation ({self.steps_per_generation}) must be a multiple of GA ({ga})"),
             (v in (None, per_step), f"offpolicy_steps={v} but steps_per_generation / GA = {per_step}"),
-            (self.clip_center in ("current", "behaviour"), "clip_center must be 'current' or 'behaviour'"),
+            (self.clip_center in ("pi_k", "alpha"), "clip_center must be 'pi_k' or 'alpha'"),
             (self.policy_loss in ("grpo", "rec", "rec-is", "opmd"), "policy_loss must be grpo, rec, rec-is or opmd"),
             (self.loss_type in LOSS_TYPES, f"loss_type {self.loss_type!r} has no counterpart: use dapo, grpo, dr_grpo"),
             (self.beta == 0 or self.policy_loss == "grpo", "beta > 0 needs policy_loss='grpo'"),
@@ -177,10 +185,13 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         counts = []
         for s in slices:
             m = s["loss_mask"]  # (n, T)
-            # fmt: off
-            counts.append({"token-mean": m.sum(), "seq-mean": (m.sum(1) > 0).sum(),
-                           "constant": torch.tensor(m.shape[0] * self.max_completion_length)}[agg])
-            # fmt: on
+            counts.append(
+                {
+                    "token-mean": m.sum(),
+                    "seq-mean": (m.sum(1) > 0).sum(),
+                    "constant": torch.tensor(m.shape[0] * self.max_completion_length),
+                }[agg]
+            )
         local = torch.stack(counts).float().to(self.accelerator.device).view(-1, group).sum(1)  # (steps,)
         z = self.accelerator.gather(local.unsqueeze(0)).sum(0).clamp(min=1.0)  # (steps,) over the P ranks
         for j, s in enumerate(slices):
@@ -200,14 +211,14 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             compute_aux_loss=self.aux_loss_enabled,
         )  # (n, T) each; aux: an MoE's load-balancing loss, or None
         # log pi_k: this forward, detached, on the slice's first pass; kept in the slice for its later passes
-        current = inputs.get("current_logps")
-        if current is None:
-            current = logp.detach()  # (n, T)
+        pi_k_logp = inputs.get("pi_k_logps")
+        if pi_k_logp is None:
+            pi_k_logp = logp.detach()  # (n, T)
             if self.model.training and self.num_iterations > 1:
-                inputs["current_logps"] = current
-        # log alpha: TRL's old_per_token_logps (the policy at generation time); None when alpha = pi_k (v = 1)
-        behaviour = inputs.get("old_per_token_logps")
-        behaviour = current if behaviour is None else behaviour  # (n, T)
+                inputs["pi_k_logps"] = pi_k_logp
+        # log alpha: TRL's old_per_token_logps (the policy at generation time); TRL leaves it out when alpha = pi_k
+        alpha_logp = inputs.get("old_per_token_logps")
+        alpha_logp = pi_k_logp if alpha_logp is None else alpha_logp  # (n, T)
         mask = inputs["loss_mask"]  # (n, T)
         # vLLM: TRL's engine-mismatch weight w = alpha / alpha_e (n, T) or (n, 1), folded into A (module docstring)
         w = inputs.get("importance_sampling_ratio")
@@ -215,18 +226,23 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         z = inputs["loss_total"].item() / self.accelerator.num_processes  # Z / P
         common = dict(agg=LOSS_TYPES[a.loss_type], max_new_tokens=self.max_completion_length, total=z)
         eps = dict(clip_eps=self.epsilon_low, clip_eps_high=self.epsilon_high)
-        logps = dict(logp=logp, behaviour_logp=behaviour, advantages=adv, completion_mask=mask)
+        logps = dict(logp=logp, alpha_logp=alpha_logp, advantages=adv, loss_mask=mask)
         if a.policy_loss == "grpo":
             ref = inputs.get("ref_per_token_logps")
             # TRL's use_bias_correction_kl (default True): kl_t * rho_t, rho = pi_theta / alpha with grad (TRL's coef_1)
             bias = a.use_bias_correction_kl and ref is not None and self.beta != 0
             loss, st = objective.policy_loss(
-                **logps, current_logp=current, ref_logp=None if bias else ref, clip_center=a.clip_center,
-                beta=self.beta, **eps, **common,
-            )  # fmt: skip
+                **logps,
+                pi_k_logp=pi_k_logp,
+                ref_logp=None if bias else ref,
+                clip_center=a.clip_center,
+                beta=self.beta,
+                **eps,
+                **common,
+            )
             if bias:
-                ref, old = (torch.where(mask > 0, x, logp.detach()) for x in (ref, behaviour))  # 0 off the mask
-                kl = objective.kl_penalty(logp, ref) * torch.exp(logp - old)  # (n, T)
+                ref, alpha = (torch.where(mask > 0, x, logp.detach()) for x in (ref, alpha_logp))  # 0 off the mask
+                kl = objective.kl_penalty(logp, ref) * torch.exp(logp - alpha)  # (n, T)
                 loss = loss + self.beta * objective.aggregate(kl, mask, common["agg"], self.max_completion_length, z)
                 st["kl"] = objective.masked_mean(kl.detach(), mask)
         elif a.policy_loss in ("rec", "rec-is"):
@@ -240,10 +256,10 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather(aux.detach().reshape(1)).mean().item())
         # Token-weighted means over all ranks in one collective: [5 sums, tokens, max rho'] per rank.
         m = mask.float()  # (n, T)
-        rho = torch.exp(current - behaviour) * m  # (n, T) rho', 0 off the mask
+        rho_prime = torch.exp(pi_k_logp - alpha_logp) * m  # (n, T) rho', 0 off the mask
         tok = m.sum()
-        sums = [rho.sum(), tok * st.get("clip_low", 0.0), tok * st.get("clip_high", 0.0), tok * st.get("kl", 0.0)]
-        row = torch.stack([*sums, (entropy.detach() * m).sum(), tok, rho.max()])
+        sums = [rho_prime.sum(), tok * st.get("clip_low", 0.0), tok * st.get("clip_high", 0.0), tok * st.get("kl", 0.0)]
+        row = torch.stack([*sums, (entropy.detach() * m).sum(), tok, rho_prime.max()])
         g = self.accelerator.gather(row.unsqueeze(0))  # (P, 7)
         means, seen = (g[:, :5].sum(0) / g[:, 5].sum().clamp(min=1.0)).tolist(), g[:, 5].sum().item() > 0
         keys = ["offpolicy/rho_prime_mean", "clip_ratio/low_mean", "clip_ratio/high_mean", "kl", "entropy"]
@@ -257,20 +273,24 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         folder = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         os.makedirs(folder, exist_ok=True)
         state = {"step": self._step, "world_size": self.accelerator.num_processes, "buffer": self._buffered_inputs}
-        torch.save(state, os.path.join(folder, BUFFER_FILE.format(self.accelerator.process_index)))
+        torch.save(state, self._buffer_path(folder))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
-        path = os.path.join(checkpoint, BUFFER_FILE.format(self.accelerator.process_index))
-        state = (
-            torch.load(path, map_location=self.accelerator.device, weights_only=True) if os.path.isfile(path) else None
-        )
+        path = self._buffer_path(checkpoint)
+        state = None
+        if os.path.isfile(path):
+            state = torch.load(path, map_location=self.accelerator.device, weights_only=True)
         if state is None or state["world_size"] != self.accelerator.num_processes:
             warnings.warn(f"resume: no generation buffer for this world size in {checkpoint}: TRL generates anew")
             return
         self._step, self._buffered_inputs = state["step"], state["buffer"]
+
+    def _buffer_path(self, checkpoint_folder: str) -> str:
+        """This rank's buffered generation inside a checkpoint-<step>/ folder."""
+        return os.path.join(checkpoint_folder, BUFFER_FILE.format(self.accelerator.process_index))
 
 
 @dataclass
@@ -289,11 +309,21 @@ class ScriptArguments:
 
 
 # Defaults of the built-in run (tiny policy, CPU; 16 prompts x 8 completions a step); flags override them.
-# fmt: off
-BUILTIN = dict(learning_rate=5e-5, max_steps=200, per_device_train_batch_size=128, num_generations=8,
-               max_completion_length=8, lr_scheduler_type="constant", gradient_checkpointing=False, bf16=False,
-               use_cpu=True, logging_steps=25, save_strategy="no", report_to="none", seed=0)
-# fmt: on
+BUILTIN = dict(
+    learning_rate=5e-5,
+    max_steps=200,
+    per_device_train_batch_size=128,
+    num_generations=8,
+    max_completion_length=8,
+    lr_scheduler_type="constant",
+    gradient_checkpointing=False,
+    bf16=False,
+    use_cpu=True,
+    logging_steps=25,
+    save_strategy="no",
+    report_to="none",
+    seed=0,
+)
 
 
 class _Parser(HfArgumentParser):
@@ -365,11 +395,16 @@ def run(trainer: OffPolicyGRPOTrainer, tokenizer, heldout, t0: float) -> dict:
     trainer.save_model(os.path.join(cfg.output_dir, "final"))
     # every rank's policy checksum: DDP must leave them equal
     sums = gather_object([checksum(policy)])
-    # fmt: off
-    summary = {"eval_accuracy_start": acc_start, "eval_accuracy_end": acc_end, "steps": trainer.state.global_step,
-               "world_size": acc.num_processes, "wall_s": time.time() - t0, "offpolicy_steps": cfg.offpolicy_steps,
-               "eval_size": len(heldout), "rank_checksums": sums}
-    # fmt: on
+    summary = {
+        "eval_accuracy_start": acc_start,
+        "eval_accuracy_end": acc_end,
+        "steps": trainer.state.global_step,
+        "world_size": acc.num_processes,
+        "wall_s": time.time() - t0,
+        "offpolicy_steps": cfg.offpolicy_steps,
+        "eval_size": len(heldout),
+        "rank_checksums": sums,
+    }
     if acc.is_main_process:
         atomic_write_text(Path(cfg.output_dir) / "summary.json", json.dumps(summary, indent=1) + "\n")
         print(

@@ -1,4 +1,4 @@
-"""TRL's own GRPOTrainer tests run against OffPolicyGRPOTrainer, offline: the harness of README, "At scale: TRL".
+"""TRL's own GRPOTrainer tests run against OffPolicyGRPOTrainer, offline: the harness of docs/trl.md, "TRL's own tests".
 
     python -m integrations.trl_upstream --trl-repo /path/to/trl.git [--ref main] [-k EXPR] [--stock] [--out DIR]
 
@@ -11,7 +11,7 @@
    test prompts). from_pretrained and load_dataset take a folder named like the
    hub id, relative to the working directory, for a local one: pytest runs in the work folder;
 3. a conftest.py there swaps `trl.GRPOTrainer` and `trl.GRPOConfig` for OffPolicyGRPOTrainer and a config whose
-   defaults are stock TRL's (v = 1 on TRL's own schedule, clip_center="behaviour", mask_zero_std=False);
+   defaults are stock TRL's (v = 1 on TRL's own schedule, clip_center="alpha", mask_zero_std=False);
    --stock keeps TRL's own: the control run,
    which tells a failure of ours from one of the stand-ins or of the test file's TRL version;
 4. pytest runs there (-k selects; run in pieces on a small machine) with HF_HUB_OFFLINE=1, and report.json holds
@@ -90,7 +90,7 @@ from integrations.trl_grpo import OffPolicyGRPOConfig, OffPolicyGRPOTrainer  # n
 class StockDefaultsConfig(OffPolicyGRPOConfig):
     """OffPolicyGRPOConfig with stock TRL's defaults: v = 1, the PPO clip around 1, equal-reward groups kept."""
 
-    clip_center: str = "behaviour"
+    clip_center: str = "alpha"
     mask_zero_std: bool = False
 
 
@@ -218,8 +218,12 @@ def piece(work: Path, env: dict, spec: str) -> list[str]:
     i, n = (int(x) for x in spec.split("/"))
     listed = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "--collect-only", "tests/test_grpo_trainer.py"],
-        cwd=work, env=env, capture_output=True, text=True, check=False,
-    ).stdout  # fmt: skip
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
     ids = [line for line in listed.splitlines() if "::" in line]
     size = -(-len(ids) // n)
     return ids[(i - 1) * size : i * size]

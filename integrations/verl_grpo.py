@@ -4,7 +4,7 @@ Importing this module registers, with verl's own registries in `verl.trainer.ppo
     policy losses  "offpolicy_grpo", "rec", "rec_is", "opmd"   (actor_rollout_ref.actor.policy_loss.loss_mode)
     advantage      "grpo_masked"                              (algorithm.adv_estimator)
 Nothing else runs at import. verl's Ray workers import it when launched with VERL_USE_EXTERNAL_MODULES=verl_grpo
-(and this folder on PYTHONPATH). The per-token objectives are objective.py's own `surrogate_per_token`,
+(and this folder on PYTHONPATH). The per-token objectives are objective.py's own `surrogate`,
 `rec_per_token` and `opmd_per_token`, called on verl's tensors (tests/test_verl_grpo.py pins the losses to
 `policy_loss`, `rec_loss`, `opmd_loss`); the advantages are advantage.py's `group_advantages`.
 
@@ -40,7 +40,7 @@ Staleness: which verl setting corresponds to train.py's `--offpolicy-steps v` (r
     weights are refreshed every v optimizer updates, as with --offpolicy-steps v. But in decoupled mode verl
     pins old_log_prob to the weights at the start of each v-update cycle, so rho' covers only the rollout's
     lag behind that point, and the drift within the cycle sits in pi_theta / pi_old, clipped around 1: for
-    that part this is the behaviour-centred clip (train.py --clip-center behaviour), not [A]'s.
+    that part this is the alpha-centred clip (train.py --clip-center alpha), not [A]'s.
   Both experimental recipes ship with rollout_correction.bypass_mode=True: set it to False.
 
 Deviations from objective.py:
@@ -79,21 +79,21 @@ def _clip_widths(config) -> tuple[float, float]:
 def _logps(old_log_prob, log_prob, rollout_is_weights):
     """verl's tensors as objective.py's arguments, all (N, T).
 
-    Returns log pi_theta (guarded, with grad), log alpha, log pi_k (None when alpha = pi_k), rho' = pi_k / alpha
-    as verl gives it, and the tokens with rho' > 0 (`live`).
+    Returns log pi_theta (guarded, with grad), log alpha, log pi_k, rho' = pi_k / alpha as verl gives it, and the
+    tokens with rho' > 0 (`live`).
     """
-    log_pi_k = old_log_prob.detach()  # (N, T)
+    pi_k_logp = old_log_prob.detach()  # (N, T)
     # Deviation 1: log(pi_theta / pi_k) kept in [-20, 20], as verl clamps it; the gradient is 0 past the bound.
-    logp = torch.clamp(log_prob, log_pi_k - LOG_RATIO_BOUND, log_pi_k + LOG_RATIO_BOUND)  # (N, T)
+    logp = torch.clamp(log_prob, pi_k_logp - LOG_RATIO_BOUND, pi_k_logp + LOG_RATIO_BOUND)  # (N, T)
     if rollout_is_weights is None:
-        # alpha = pi_k: objective.py's current_logp=None, rho' = 1.
-        ones = torch.ones_like(log_pi_k)  # (N, T)
-        return logp, log_pi_k, None, ones, ones > 0
-    rho_prime = rollout_is_weights.detach().to(log_pi_k.dtype)  # (N, T)
+        # No correction weights: alpha = pi_k, rho' = 1.
+        ones = torch.ones_like(pi_k_logp)  # (N, T)
+        return logp, pi_k_logp, pi_k_logp, ones, ones > 0
+    rho_prime = rollout_is_weights.detach().to(pi_k_logp.dtype)  # (N, T)
     # Padding (and IcePop-rejected tokens) carry rho' = 0: clamp so that log alpha stays finite there.
-    log_rho_prime = torch.log(rho_prime.clamp(min=torch.finfo(log_pi_k.dtype).tiny))  # (N, T)
-    log_alpha = log_pi_k - log_rho_prime  # (N, T) log alpha = log pi_k - log rho'
-    return logp, log_alpha, log_pi_k, rho_prime, rho_prime > 0
+    log_rho_prime = torch.log(rho_prime.clamp(min=torch.finfo(pi_k_logp.dtype).tiny))  # (N, T)
+    alpha_logp = pi_k_logp - log_rho_prime  # (N, T) log alpha = log pi_k - log rho'
+    return logp, alpha_logp, pi_k_logp, rho_prime, rho_prime > 0
 
 
 def _aggregate(loss_mat, live, response_mask, loss_agg_mode, config):
@@ -121,10 +121,10 @@ def _metrics(log_prob, old_log_prob, rho_prime, response_mask, **fractions) -> d
 def offpolicy_grpo_loss(
     old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
 ):
-    """[A]'s clipped off-policy surrogate (objective.surrogate_per_token, clip_center="current"), as a verl loss.
+    """[A]'s clipped off-policy surrogate (objective.surrogate, clip_center="pi_k"), as a verl loss.
 
-        loss = agg_t [ - o_t ],  o_t: [A]'s surrogate as objective.policy_loss's docstring states it, with
-        rho_t = pi_theta / alpha = exp(log_prob - old_log_prob) * rho'_t (with grad), rho'_t = rollout_is_weights
+        loss = agg_t [ - o_t ],  o_t as objective.policy_loss states it, with log pi_k = old_log_prob and
+        rho'_t = pi_k / alpha = rollout_is_weights
 
     The clip is centred at the ratio of the policy at the start of the step, rho' = pi_k / alpha, so a stale
     sampler does not clip tokens just for being stale. With rollout_is_weights=None (rho' = 1) this is PPO's
@@ -133,9 +133,9 @@ def offpolicy_grpo_loss(
     actor/rho_prime_max.
     """
     eps_low, eps_high = _clip_widths(config)
-    logp, log_alpha, log_pi_k, rho_prime, live = _logps(old_log_prob, log_prob, rollout_is_weights)
-    o = objective.surrogate_per_token(
-        logp, log_alpha, log_pi_k, advantages, clip_eps=eps_low, clip_eps_high=eps_high, clip_center="current"
+    logp, alpha_logp, pi_k_logp, rho_prime, live = _logps(old_log_prob, log_prob, rollout_is_weights)
+    o = objective.surrogate(
+        logp, alpha_logp, pi_k_logp, advantages, clip_eps=eps_low, clip_eps_high=eps_high, clip_center="pi_k"
     )  # (N, T) [A]'s f_eps(rho, rho', A)
     loss = _aggregate(-o.objective, live, response_mask, loss_agg_mode, config)
     return loss, _metrics(log_prob, old_log_prob, rho_prime, response_mask, pg_clipfrac=o.clip_low | o.clip_high)
@@ -144,9 +144,9 @@ def offpolicy_grpo_loss(
 def _rec(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights, is_weight):
     """REC / REC-IS of [B] (reinforce.rec_per_token) on verl's tensors; see `rec_loss` below for the formula."""
     eps_low, eps_high = _clip_widths(config)
-    logp, log_alpha, _, rho_prime, live = _logps(old_log_prob, log_prob, rollout_is_weights)
+    logp, alpha_logp, _, rho_prime, live = _logps(old_log_prob, log_prob, rollout_is_weights)
     o = reinforce.rec_per_token(
-        logp, log_alpha, advantages, clip_eps=eps_low, clip_eps_high=eps_high, importance_weight=is_weight
+        logp, alpha_logp, advantages, clip_eps=eps_low, clip_eps_high=eps_high, importance_weight=is_weight
     )  # (N, T) A * [sg(rho_t)] * log pi_theta * M_t
     loss = _aggregate(-o.objective, live, response_mask, loss_agg_mode, config)
     return loss, _metrics(log_prob, old_log_prob, rho_prime, response_mask, pg_clipfrac=o.clip_low | o.clip_high)
@@ -156,14 +156,8 @@ def _rec(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, confi
 def rec_loss(
     old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
 ):
-    """REC of [B]: REINFORCE on the tokens a one-sided clip would keep, no importance weight.
-
-        loss = agg_t [ - A * log_prob_t * M_t ]
-        M_t = 1[A > 0 and rho_t <= 1 + eps_high] + 1[A < 0 and rho_t >= 1 - eps_low]
-        rho_t = pi_theta / alpha, detached
-
-    actor/pg_clipfrac is the fraction of tokens the mask drops.
-    """
+    """REC of [B] (reinforce.rec_per_token states it): REINFORCE on the tokens a one-sided clip would keep.
+    actor/pg_clipfrac is the fraction of tokens the mask drops."""
     return _rec(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights, False)
 
 
@@ -171,7 +165,7 @@ def rec_loss(
 def rec_is_loss(
     old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
 ):
-    """REC-IS of [B]: REC with the detached importance weight, loss = agg_t [ - A * sg(rho_t) * log_prob_t * M_t ]."""
+    """REC-IS of [B] (reinforce.rec_per_token states it): REC with the detached importance weight."""
     return _rec(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights, True)
 
 
@@ -179,17 +173,15 @@ def rec_is_loss(
 def opmd_loss(
     old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
 ):
-    """OPMD of [B] (reinforce.opmd_per_token): REINFORCE pulled back towards the sampler by a squared log-ratio.
-
-        loss = agg_t [ - A * log_prob_t + (tau_reg / 2) * (log_prob_t - log alpha_t)^2 ]
+    """OPMD of [B] (reinforce.opmd_per_token states it): REINFORCE pulled back towards the sampler.
 
     tau_reg -> actor.policy_loss.dro_beta (0.1 when unset). [B] uses group-mean advantages r - mean(r):
     algorithm.adv_estimator=grpo_masked (or grpo) with algorithm.norm_adv_by_std_in_grpo=False.
     """
     tau = config.policy_loss.get("dro_beta", None) if config.get("policy_loss", None) is not None else None
     tau = OPMD_TAU_DEFAULT if tau is None else tau
-    logp, log_alpha, _, rho_prime, live = _logps(old_log_prob, log_prob, rollout_is_weights)
-    per_token = reinforce.opmd_per_token(logp, log_alpha, advantages, tau_reg=tau).per_token  # (N, T)
+    logp, alpha_logp, _, rho_prime, live = _logps(old_log_prob, log_prob, rollout_is_weights)
+    per_token = reinforce.opmd_per_token(logp, alpha_logp, advantages, tau_reg=tau).per_token  # (N, T)
     loss = _aggregate(per_token, live, response_mask, loss_agg_mode, config)
     return loss, _metrics(log_prob, old_log_prob, rho_prime, response_mask)
 

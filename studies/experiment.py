@@ -61,7 +61,7 @@ CONFIGS = {
     "v4": dict(offpolicy_steps=4),
     "v8": dict(offpolicy_steps=8),
     "v1-inner4": dict(offpolicy_steps=1, inner_steps=4),
-    "v4-behaviour-centre": dict(offpolicy_steps=4, clip_center="behaviour"),
+    "v4-behaviour-centre": dict(offpolicy_steps=4, clip_center="alpha"),
     "v1-no-mask": dict(offpolicy_steps=1, mask_zero_std=False),
     "rec-v4": dict(offpolicy_steps=4, loss="rec"),
     "opmd-v4": dict(offpolicy_steps=4, loss="opmd"),

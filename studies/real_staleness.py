@@ -11,8 +11,9 @@ it learnt more (+28 points against +20) in two thirds of the time, which is what
 The grid, in the order it runs (seed by seed, so a study cut short keeps whole seed sets):
   v = 1 once per seed (at v = 1 every correction takes the same gradient: the shared baseline), then
   v in {4, 8} x five corrections:
-    current          [A]'s surrogate, the clip interval centred at rho' = pi_k / alpha (objective.policy_loss)
-    behaviour        PPO / TRL: the interval centred at 1
+    current          [A]'s surrogate, --clip-center pi_k: the interval centred at rho' = pi_k / alpha (objective.py)
+    behaviour        PPO / TRL, --clip-center alpha: the interval centred at 1
+                     (the arms keep the names their committed records were made under)
     decoupled-tis2   AReaL's decoupled objective, the weight rho' capped at 2 (token-level TIS)
     decoupled-geomis decoupled, a sequence dropped from the loss and its normaliser when the geometric mean of
                      its rho'_t leaves [1/M, M], M = 1.02 (verl's Geo-RS, --is-level geometric --is-mask 1.02;
@@ -41,12 +42,22 @@ from studies import runner, staleness
 
 GGUF = "~/.cache/offpolicy-grpo/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 RECIPE = dict(
-    task="wordproblems", steps=12, prompts_per_step=8, group_size=8, max_new_tokens=48, temperature=0.7,
-    lr=2e-4, lora_rank=16, lora_alpha=32.0, micro_batch=16, eval_every=0, eval_size=200,
-)  # fmt: skip
+    task="wordproblems",
+    steps=12,
+    prompts_per_step=8,
+    group_size=8,
+    max_new_tokens=48,
+    temperature=0.7,
+    lr=2e-4,
+    lora_rank=16,
+    lora_alpha=32.0,
+    micro_batch=16,
+    eval_every=0,
+    eval_size=200,
+)
 CORRECTIONS = {
-    "current": dict(clip_center="current"),
-    "behaviour": dict(clip_center="behaviour"),
+    "current": dict(clip_center="pi_k"),
+    "behaviour": dict(clip_center="alpha"),
     "decoupled-tis2": dict(clip_center="decoupled", is_cap=2.0),
     "decoupled-geomis": dict(clip_center="decoupled", is_mask=1.02, is_level="geometric"),
     "rec": dict(loss="rec"),
@@ -189,8 +200,9 @@ def run_study(args, csv: Path) -> list[dict]:
 
 
 def read_rows(path: Path) -> list[dict]:
-    return runner.read_csv(path, ints={"offpolicy_steps", "seed", "step"},
-                           texts={"correction", "clip_center", "loss", "is_level"})  # fmt: skip
+    return runner.read_csv(
+        path, ints={"offpolicy_steps", "seed", "step"}, texts={"correction", "clip_center", "loss", "is_level"}
+    )
 
 
 def finals(rows: list[dict]) -> dict[tuple[str, int], dict[int, float]]:
@@ -258,11 +270,16 @@ def ranking_table(rows: list[dict], toy: dict) -> str:
     toy (the four the toy has), and how many of the pairs of those four the two put in the same order."""
     f = finals(rows)
     base = f.get((BASELINE, 1), {})
-    lines = ["| v | real model, best first (mean vs v=1) | toy, best first (mean vs v=1) | pairs in the same order |",
-             "|---:|---|---|---:|"]  # fmt: skip
+    lines = [
+        "| v | real model, best first (mean vs v=1) | toy, best first (mean vs v=1) | pairs in the same order |",
+        "|---:|---|---|---:|",
+    ]
     for v in sorted({v for _, v in f if v > 1}):
-        real = {c: statistics.fmean(f[c, v][s] - base[s] for s in f[c, v] if s in base)
-                for c in CORRECTIONS if (c, v) in f and any(s in base for s in f[c, v])}  # fmt: skip
+        real = {
+            c: statistics.fmean(f[c, v][s] - base[s] for s in f[c, v] if s in base)
+            for c in CORRECTIONS
+            if (c, v) in f and any(s in base for s in f[c, v])
+        }
         theirs = {c: statistics.fmean(t) for c in real if (t := toy.get((TOY.get(c), v)))}
         both = sorted(theirs)
         pairs = [(a, b) for i, a in enumerate(both) for b in both[i + 1 :]]

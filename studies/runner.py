@@ -58,12 +58,19 @@ def make_config(args, out: Path, **changes) -> Config:
     )
 
 
+# Flags and values renamed after records in results/ were made (2026-12, one name per quantity): a record's
+# old name means the new one.
+RENAMED_FLAGS = {"alpha_logp": "alpha_logp_from"}
+RENAMED_VALUES = {"clip_center": {"current": "pi_k", "behaviour": "alpha"}}
+
+
 def finished(cfg: Config) -> bool:
     """True when cfg.out holds a completed run of exactly this config (so it can be reused)."""
     out = Path(cfg.out)
     if not (out / "summary.json").is_file() or not (out / "config.json").is_file():
         return False
-    saved = json.loads((out / "config.json").read_text())
+    saved = {RENAMED_FLAGS.get(k, k): v for k, v in json.loads((out / "config.json").read_text()).items()}
+    saved = {k: RENAMED_VALUES.get(k, {}).get(v, v) for k, v in saved.items()}
     ignore = {"progress", "resume"}  # do not change the result
     # A field the saved config lacks was added to Config after that run: it ran with the default.
     return all(saved.get(f.name, f.default) == getattr(cfg, f.name) for f in fields(Config) if f.name not in ignore)

@@ -6,10 +6,11 @@
 The sampler alpha is refreshed from the policy every v steps (--offpolicy-steps), so at step k the data
 come from a policy up to v-1 updates old. Five ways to correct for that, all at lr 1e-4 (the rate at which
 the on/off-policy sweep saw staleness cost accuracy):
-  current         [A]'s surrogate (objective.policy_loss), its interval centred at rho' = pi_k/alpha.
+  current         [A]'s surrogate (objective.policy_loss), --clip-center pi_k: the interval around rho' = pi_k/alpha.
                   With one inner step the gradient is taken at rho = rho', so the clip never acts: v > 1 is
                   rho'-weighted REINFORCE.
-  behaviour       PPO / TRL: the same surrogate with the interval centred at 1.
+  behaviour       PPO / TRL, --clip-center alpha: the same surrogate with the interval centred at 1.
+  (The arms keep the names their committed records were made under, before the flag's values were renamed.)
   decoupled       AReaL: rho' * min(r A, clip(r, 1 - eps, 1 + eps) A), r = pi_theta/pi_k, the weight rho' constant.
   decoupled-tis2  decoupled with the weight rho' capped at 2 (truncated importance sampling, --is-cap 2).
   rec             [B]'s REC: -A log pi_theta with a one-sided clip mask on rho, no importance weight.
@@ -63,13 +64,13 @@ from config import Config
 from studies import runner
 
 CORRECTIONS = {
-    "current": dict(clip_center="current"),
-    "behaviour": dict(clip_center="behaviour"),
+    "current": dict(clip_center="pi_k"),
+    "behaviour": dict(clip_center="alpha"),
     "decoupled": dict(clip_center="decoupled"),
     "decoupled-tis2": dict(clip_center="decoupled", is_cap=2.0),
     "rec": dict(loss="rec"),
 }
-CLIPPED = ("current", "behaviour", "decoupled")  # the forms whose clip acts once rho != rho' (inner steps > 1)
+CLIPPED = ("current", "behaviour", "decoupled")  # the arms whose clip acts once rho != rho' (inner steps > 1)
 BASELINE = "all (v=1 baseline)"  # at v = 1 the corrections coincide: one set of runs serves them all
 RUN_COLUMNS = ["offpolicy_steps", "inner_steps", "lr", "clip_center", "loss", "is_cap"]
 CSV_COLUMNS = [
@@ -192,8 +193,9 @@ def run_study(args) -> tuple[list[dict], list[str]]:
 
 def read_rows(path: Path) -> list[dict]:
     """staleness.csv back into typed rows (blank cells stay "")."""
-    return runner.read_csv(path, ints={"offpolicy_steps", "inner_steps", "seed", "step"},
-                           texts={"correction", "clip_center", "loss"})  # fmt: skip
+    return runner.read_csv(
+        path, ints={"offpolicy_steps", "inner_steps", "seed", "step"}, texts={"correction", "clip_center", "loss"}
+    )
 
 
 # ---- the table ---------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ def test_tiny_sweep_writes_csv_table_and_plot(tmp_path, warm_cache, capsys):
         run = [r for r in rows if r["config"] == name]
         assert [r["step"] for r in run] == ["0", "2", "3"], run
         assert {r["offpolicy_steps"] for r in run} == {v} and {r["seed"] for r in run} == {"0"}
-        assert {r["loss"] for r in run} == {"grpo"} and {r["clip_center"] for r in run} == {"current"}
+        assert {r["loss"] for r in run} == {"grpo"} and {r["clip_center"] for r in run} == {"pi_k"}
         assert run[0]["reward"] == "" and run[0]["wall_s"] == "0.0"  # no training before the start eval
         assert all(0 <= float(r["eval_accuracy"]) <= 1 for r in run)
         assert all(0 <= float(r["reward"]) <= 1 for r in run[1:])

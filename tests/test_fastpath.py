@@ -7,7 +7,7 @@ than multinomial, so sampled tokens differ between the paths for the same seed: 
 checked by the log-probs of the fast path's own tokens under a full forward pass, and the race
 itself against softmax frequencies. Greedy decoding must give identical tokens.
 
-Both paths, and `token_logprobs`, run a group's shared prompt once: checked against row-by-row
+Both paths, and `chunked_token_logprobs`, run a group's shared prompt once: checked against row-by-row
 computation (values and gradients) and by counting the tokens that reach the embedding.
 """
 
@@ -16,7 +16,7 @@ import torch
 
 import decoding
 from decoding import sample_exponential_race, sampling_path
-from logprobs import position_ids_from_mask, token_logprobs
+from logprobs import chunked_token_logprobs, position_ids_from_mask
 from rollout import generate
 from tasks import Problem, encode_prompts
 
@@ -44,7 +44,7 @@ def assert_same_rollout(a, b, atol=1e-5):
     assert torch.equal(a.completion_mask, b.completion_mask)
     assert torch.equal(a.truncated, b.truncated)
     assert torch.equal(a.prompt_ids, b.prompt_ids) and torch.equal(a.prompt_mask, b.prompt_mask)
-    assert torch.allclose(a.sampler_logp, b.sampler_logp, atol=atol)
+    assert torch.allclose(a.alpha_logp, b.alpha_logp, atol=atol)
     assert torch.allclose(a.entropy, b.entropy, atol=atol)
 
 
@@ -173,7 +173,7 @@ def test_sampled_masks_follow_the_eos_rules(ending_model, tok):
         assert bool(trunc) == (tok.eos_token_id not in row[:k].tolist())
         if not trunc:
             assert row[k - 1] == tok.eos_token_id and tok.eos_token_id not in row[: k - 1].tolist()
-    assert (ro.sampler_logp[ro.completion_mask == 0] == 0).all() and (ro.entropy[ro.completion_mask == 0] == 0).all()
+    assert (ro.alpha_logp[ro.completion_mask == 0] == 0).all() and (ro.entropy[ro.completion_mask == 0] == 0).all()
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -181,14 +181,14 @@ def test_sampled_logprobs_and_entropy_match_a_full_forward(model, tok, temperatu
     ids, mask = prompts(tok)
     kw = kwargs(tok, group_size=4, max_new_tokens=10, temperature=temperature)
     ro = generate(model, ids, mask, fast=True, generator=torch.Generator().manual_seed(0), **kw)
-    lp = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, temperature)
-    assert torch.allclose(ro.sampler_logp, lp, atol=1e-5)  # static-cache sampling == full forward
+    lp = chunked_token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, temperature)
+    assert torch.allclose(ro.alpha_logp, lp, atol=1e-5)  # static-cache sampling == full forward
     assert torch.allclose(ro.entropy, full_forward_entropy(model, ro, temperature), atol=1e-5)
     # Same for the plain path's tokens, so both paths score their tokens under the same model.
     pl = generate(model, ids, mask, fast=False, generator=torch.Generator().manual_seed(0), **kw)
     assert torch.allclose(
-        pl.sampler_logp,
-        token_logprobs(model, pl.input_ids, pl.attention_mask, pl.completion_mask, temperature),
+        pl.alpha_logp,
+        chunked_token_logprobs(model, pl.input_ids, pl.attention_mask, pl.completion_mask, temperature),
         atol=1e-5,
     )
     # The generator alone decides the sample: same seed, same tokens; another seed, others.
@@ -245,7 +245,7 @@ def test_one_token_prompts(model, tok):
 
 
 def test_shared_prompt_logprobs_and_gradients_equal_row_by_row(model, tok):
-    # token_logprobs runs a group's prompt once; row by row nothing can be shared: an independent reference.
+    # chunked_token_logprobs runs a group's prompt once; row by row nothing can be shared: an independent reference.
     ids, mask = prompts(tok)
     ro = generate(
         model,
@@ -256,12 +256,12 @@ def test_shared_prompt_logprobs_and_gradients_equal_row_by_row(model, tok):
         **kwargs(tok, group_size=4, max_new_tokens=6, temperature=1.0),
     )
     w = torch.randn(ro.completion_mask.shape, generator=torch.Generator().manual_seed(1))  # (N, T)
-    batched = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 0.8)
+    batched = chunked_token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 0.8)
     (batched * w).sum().backward()
     shared_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     for i in range(ro.input_ids.shape[0]):
-        one = token_logprobs(
+        one = chunked_token_logprobs(
             model, ro.input_ids[i : i + 1], ro.attention_mask[i : i + 1], ro.completion_mask[i : i + 1], 0.8
         )
         assert torch.allclose(one, batched[i : i + 1], atol=1e-5)
@@ -282,7 +282,7 @@ def test_prompts_run_once_per_group(model, tok):
         ro = generate(model, ids, mask, fast=fast, generator=torch.Generator().manual_seed(0), **kw)
         assert seen == [b * p] + [b * g] * (t - 1)  # the prefill once per prompt, then one token per row
     seen.clear()
-    token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)
+    chunked_token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)
     assert seen == [b * p, b * g * t]
     hook.remove()
 
@@ -371,8 +371,8 @@ def test_cuda_graph_sampling_logprobs_match_a_full_forward(tok):
     kw = kwargs(tok, group_size=8, max_new_tokens=16, temperature=0.9)
     gen = lambda s: torch.Generator(device="cuda").manual_seed(s)
     ro = generate(model, ids, mask, generator=gen(0), **kw)
-    lp = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 0.9)
-    assert torch.allclose(ro.sampler_logp, lp, atol=1e-4)
+    lp = chunked_token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 0.9)
+    assert torch.allclose(ro.alpha_logp, lp, atol=1e-4)
     assert torch.allclose(ro.entropy, full_forward_entropy(model, ro, 0.9), atol=1e-4)
     assert_same_rollout(ro, generate(model, ids, mask, generator=gen(0), **kw), atol=0)  # graph replay reproduces
 
@@ -389,7 +389,7 @@ def test_cuda_graph_under_bf16_autocast(tok):
     )
     with torch.autocast("cuda", dtype=torch.bfloat16):
         ro = generate(model, ids, mask, **kw)
-        lp = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)
+        lp = chunked_token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)
     assert sampling_path(model) == "static-cache+cuda-graph"
-    assert torch.isfinite(ro.sampler_logp).all()
-    assert (ro.sampler_logp - lp).abs().max() < 0.1  # bf16 rounding only
+    assert torch.isfinite(ro.alpha_logp).all()
+    assert (ro.alpha_logp - lp).abs().max() < 0.1  # bf16 rounding only

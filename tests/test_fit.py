@@ -1,19 +1,19 @@
-"""Fitting the model in memory (run_io.fit_policy, step.BF16AdamW): gradient checkpointing gives the plain
+"""Fitting the model in memory (policy.fit_policy, policy.BF16AdamW): gradient checkpointing gives the plain
 gradient and really recomputes, bfloat16 weights round without bias and learn, LoRA trains the adapter alone."""
 
 import copy
 import json
-import os
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import policy
 import step
 import train
 from config import Config, resolve
-from conftest import TEST_WARMUP
+from conftest import TEST_WARMUP, needs
 from rollout import generate
 from tasks import Problem, encode_prompts
 
@@ -21,9 +21,8 @@ pytestmark = pytest.mark.model  # trains or decodes a model: CI runs these again
 
 
 def needs_peft():
-    """LoRA's tests need peft (the [lora] extra): a skip without it, a failure under CI=true (CI installs it)."""
-    if os.environ.get("CI") != "true":
-        pytest.importorskip("peft")
+    """LoRA's tests need peft (the [lora] extra)."""
+    needs("peft", "lora")
 
 
 def cfg_for(**kw) -> Config:
@@ -35,10 +34,26 @@ def sampled_batch(model, tok, problems, tokens=6) -> step.Batch:
     """One completion per problem (distinct prompts: the log-probs run one plain pass), advantages +1, -1, ..."""
     ids, mask = encode_prompts(tok, problems, "cpu")
     special = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    ro = generate(model, ids, mask, group_size=1, max_new_tokens=tokens, temperature=1.0,
-                  generator=torch.Generator().manual_seed(0), **special)  # fmt: skip
+    ro = generate(
+        model,
+        ids,
+        mask,
+        group_size=1,
+        max_new_tokens=tokens,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(0),
+        **special,
+    )
     adv = torch.tensor([(-1.0) ** i for i in range(len(problems))])  # (N,)
-    return step.Batch(ro.input_ids, ro.attention_mask, ro.completion_mask, ro.completion_mask, adv)
+    return step.Batch(
+        input_ids=ro.input_ids,
+        attention_mask=ro.attention_mask,
+        completion_mask=ro.completion_mask,
+        loss_mask=ro.completion_mask,
+        advantages=adv,
+        alpha_logp=ro.alpha_logp,
+        alpha_is_pi_k=True,  # a refresh step: alpha is pi_k
+    )
 
 
 def gradient_and_calls(cfg: Config, model, batch: step.Batch) -> tuple[torch.Tensor, int]:
@@ -49,17 +64,19 @@ def gradient_and_calls(cfg: Config, model, batch: step.Batch) -> tuple[torch.Ten
     for name, mlp in models.policy.named_modules():
         if name.endswith(".mlp"):
             mlp.forward = lambda *a, f=mlp.forward, **k: calls.append(1) or f(*a, **k)
-    step.update(cfg, models.policy, models.opt, batch, None, None)
+    step.update(cfg, models.policy, models.opt, batch, None)
     return torch.cat([p.grad.flatten() for p in models.policy.parameters() if p.grad is not None]), len(calls)
 
 
 @pytest.mark.parametrize("which", ["tiny", pytest.param("smollm2", marks=pytest.mark.real_model)])
 def test_gradient_checkpointing_recomputes_and_gives_the_plain_gradient(which, request, tok):
     if which == "smollm2":
-        pytest.importorskip("gguf")
+        needs("gguf", "real")
         model, tokenizer = request.getfixturevalue("smollm2")
-        problems = [Problem("Tom has 3 apples and buys 4 more. How many apples does he have?", "7"),
-                    Problem("A box holds 6 pens. How many pens are in 2 boxes?", "12")]  # fmt: skip
+        problems = [
+            Problem("Tom has 3 apples and buys 4 more. How many apples does he have?", "7"),
+            Problem("A box holds 6 pens. How many pens are in 2 boxes?", "12"),
+        ]
     else:
         model, tokenizer = request.getfixturevalue("model"), tok
         problems = [Problem("12+7=", "19"), Problem("40-3=", "37"), Problem("5*6=", "30")]
@@ -95,7 +112,7 @@ def test_bf16_adamw_is_torch_adamw_then_an_unbiased_rounding_where_plain_adamw_l
     g = torch.full((n,), 0.5, dtype=torch.bfloat16)
     lr = 2e-5  # one AdamW step moves a weight by about lr: a sixth of its bfloat16 spacing
     ours = torch.nn.Parameter(w0.clone())
-    opt = step.BF16AdamW([ours], lr=lr, weight_decay=0.01, seed=3)
+    opt = policy.BF16AdamW([ours], lr=lr, weight_decay=0.01, seed=3)
     ours.grad = g.clone()
     opt.step()
     exact = adamw_reference(w0, [g], lr)  # (n,) float32
@@ -119,13 +136,13 @@ def test_bf16_adamw_float32_parameters_are_exactly_torch_adamw_and_a_reload_keep
     w = torch.randn(64)
     grads = [torch.randn(64) for _ in range(4)]
     p = torch.nn.Parameter(w.clone())
-    opt = step.BF16AdamW([p], lr=1e-2, weight_decay=0.01)
+    opt = policy.BF16AdamW([p], lr=1e-2, weight_decay=0.01)
     for i, gr in enumerate(grads):
         p.grad = gr.clone()
         opt.step()
         if i == 1:  # reload mid-way into a fresh optimizer over a bfloat16 twin: the moments stay float32
             twin = torch.nn.Parameter(p.detach().to(torch.bfloat16))
-            fresh = step.BF16AdamW([twin], lr=1e-2, weight_decay=0.01)
+            fresh = policy.BF16AdamW([twin], lr=1e-2, weight_decay=0.01)
             fresh.load_state_dict(opt.state_dict())
             assert fresh.state[twin]["exp_avg_sq"].dtype == torch.float32
             assert torch.equal(fresh.state[twin]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
@@ -133,9 +150,26 @@ def test_bf16_adamw_float32_parameters_are_exactly_torch_adamw_and_a_reload_keep
 
 
 def tiny_run(warm_cache, out, *extra, steps=6) -> dict:
-    argv = ["--steps", str(steps), "--prompts-per-step", "8", "--group-size", "4", "--eval-size", "100",
-            "--eval-every", "0", "--warmup-steps", str(TEST_WARMUP), "--cache-dir", warm_cache, "--out", str(out),
-            "--no-progress", *extra]  # fmt: skip
+    argv = [
+        "--steps",
+        str(steps),
+        "--prompts-per-step",
+        "8",
+        "--group-size",
+        "4",
+        "--eval-size",
+        "100",
+        "--eval-every",
+        "0",
+        "--warmup-steps",
+        str(TEST_WARMUP),
+        "--cache-dir",
+        warm_cache,
+        "--out",
+        str(out),
+        "--no-progress",
+        *extra,
+    ]
     assert train.main(argv) == 0
     return json.loads((out / "summary.json").read_text())
 
@@ -166,7 +200,7 @@ def test_lora_trains_the_adapter_alone_the_kl_starts_at_zero_and_final_holds_the
     trained = PeftModel.from_pretrained(base, final)
     lora = {n for n, _ in trained.named_parameters() if "lora_" in n}
     assert lora and any(trained.state_dict()[n].abs().max() > 0 for n in lora if "lora_B" in n)
-    merged = trained.merge_and_unload()  # the README's merge
+    merged = trained.merge_and_unload()  # docs/real-model.md's merge
     moved = [k for k in untouched if not torch.equal(untouched[k], merged.state_dict()[k])]
     assert moved and all(k.endswith("proj.weight") for k in moved)  # only adapted layers change, by B A
     ck = torch.load(next((tmp_path / "lora" / "checkpoints").glob("step-*.pt")), weights_only=True)
@@ -185,7 +219,7 @@ def test_lora_base_weights_stay_bit_identical_and_only_the_adapter_reaches_the_o
     assert all("lora_" in names[id(p)] for g in models.opt.param_groups for p in g["params"])
     batch = sampled_batch(models.policy, tok, [Problem("12+7=", "19"), Problem("40-3=", "37")])
     for _ in range(3):
-        step.update(cfg, models.policy, models.opt, batch, None, None)
+        step.update(cfg, models.policy, models.opt, batch, None)
     after = models.policy.get_base_model().state_dict()
     base_keys = [k for k in after if "lora_" not in k]
     assert all(torch.equal(after[k], before[k.replace(".base_layer", "")]) for k in base_keys)

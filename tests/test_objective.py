@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from advantage import group_advantages, red_drop, red_weight
-from objective import aggregation_total, policy_loss, surrogate_per_token
+from corrections import corrected_policy_loss, corrected_surrogate
+from objective import aggregation_total, policy_loss
 from reinforce import opmd_loss, opmd_per_token, rec_loss, rec_per_token
 
 # --------------------------------------------------------------------------- advantages
@@ -46,7 +47,7 @@ def test_asymre_and_red():
 # --------------------------------------------------------------------------- policy_loss vs a loop
 
 
-def loop_policy_loss(logp, blogp, clogp, rlogp, adv, mask, eps_lo, eps_hi, center, beta, agg, max_new):
+def loop_policy_loss(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, eps_lo, eps_hi, center, beta, agg, max_new):
     """The objective written token by token in plain Python floats (the spec: policy_loss's docstring)."""
     n, t = len(logp), len(logp[0])
     seq_terms, all_terms = [], []
@@ -55,12 +56,12 @@ def loop_policy_loss(logp, blogp, clogp, rlogp, adv, mask, eps_lo, eps_hi, cente
         for j in range(t):
             if not mask[i][j]:
                 continue
-            rho = math.exp(logp[i][j] - blogp[i][j])
-            rho_p = 1.0 if clogp is None else math.exp(clogp[i][j] - blogp[i][j])
-            lo, hi = (max(rho_p - eps_lo, 0.0), rho_p + eps_hi) if center == "current" else (1 - eps_lo, 1 + eps_hi)
+            rho = math.exp(logp[i][j] - alpha_logp[i][j])
+            rho_p = 1.0 if pi_k_logp is None else math.exp(pi_k_logp[i][j] - alpha_logp[i][j])
+            lo, hi = (max(rho_p - eps_lo, 0.0), rho_p + eps_hi) if center == "pi_k" else (1 - eps_lo, 1 + eps_hi)
             s = min(rho * adv[i], min(max(rho, lo), hi) * adv[i])
-            if rlogp is not None:
-                d = rlogp[i][j] - logp[i][j]
+            if ref_logp is not None:
+                d = ref_logp[i][j] - logp[i][j]
                 s -= beta * (math.exp(d) - d - 1)
             terms.append(s)
         all_terms += terms
@@ -76,35 +77,35 @@ def loop_policy_loss(logp, blogp, clogp, rlogp, adv, mask, eps_lo, eps_hi, cente
 def random_batch(seed, n=6, t=5, spread=0.4):
     g = torch.Generator().manual_seed(seed)
     logp = -torch.rand(n, t, generator=g, dtype=torch.float64) * 2
-    blogp = logp + (torch.rand(n, t, generator=g, dtype=torch.float64) - 0.5) * 2 * spread
-    clogp = logp + (torch.rand(n, t, generator=g, dtype=torch.float64) - 0.5) * 2 * spread
-    rlogp = logp + (torch.rand(n, t, generator=g, dtype=torch.float64) - 0.5)
+    alpha_logp = logp + (torch.rand(n, t, generator=g, dtype=torch.float64) - 0.5) * 2 * spread
+    pi_k_logp = logp + (torch.rand(n, t, generator=g, dtype=torch.float64) - 0.5) * 2 * spread
+    ref_logp = logp + (torch.rand(n, t, generator=g, dtype=torch.float64) - 0.5)
     adv = torch.randn(n, generator=g, dtype=torch.float64)
     mask = (torch.rand(n, t, generator=g) > 0.3).long()
     mask[0] = 0  # one fully masked sequence (an invalid group's member)
-    return logp, blogp, clogp, rlogp, adv, mask
+    return logp, alpha_logp, pi_k_logp, ref_logp, adv, mask
 
 
-@pytest.mark.parametrize("center", ["current", "behaviour"])
+@pytest.mark.parametrize("center", ["pi_k", "alpha"])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "constant"])
-@pytest.mark.parametrize("use_current,beta", [(True, 0.0), (True, 0.1), (False, 0.05)])
-def test_policy_loss_matches_loop_value_and_gradient(center, agg, use_current, beta):
+@pytest.mark.parametrize("stale,beta", [(True, 0.0), (True, 0.1), (False, 0.05)])
+def test_policy_loss_matches_loop_value_and_gradient(center, agg, stale, beta):
     # A fixed seed per case (hash() of a str is randomised per process, so a failure would not reproduce).
-    logp, blogp, clogp, rlogp, adv, mask = random_batch(
-        seed=zlib.crc32(f"{center}-{agg}-{use_current}".encode()) % 1000
+    logp, alpha_logp, pi_k_logp, ref_logp, adv, mask = random_batch(
+        seed=zlib.crc32(f"{center}-{agg}-{stale}".encode()) % 1000
     )
-    clogp = clogp if use_current else None
-    rlogp = rlogp if beta > 0 else None
+    pi_k_logp = pi_k_logp if stale else alpha_logp  # not stale: a refresh step, pi_k = alpha
+    ref_logp = ref_logp if beta > 0 else None
     kw = dict(clip_eps=0.2, clip_eps_high=0.28, clip_center=center, beta=beta, agg=agg, max_new_tokens=7)
     x = logp.clone().requires_grad_(True)
-    loss, stats = policy_loss(x, blogp, clogp, rlogp, adv, mask, **kw)
+    loss, stats = policy_loss(x, alpha_logp, pi_k_logp, ref_logp, adv, mask, **kw)
     loss.backward()
 
     L = lambda lp: loop_policy_loss(
         lp,
-        blogp.tolist(),
-        None if clogp is None else clogp.tolist(),
-        None if rlogp is None else rlogp.tolist(),
+        alpha_logp.tolist(),
+        pi_k_logp.tolist(),
+        None if ref_logp is None else ref_logp.tolist(),
         adv.tolist(),
         mask.tolist(),
         0.2,
@@ -130,9 +131,9 @@ def test_policy_loss_matches_loop_value_and_gradient(center, agg, use_current, b
     for i in range(logp.shape[0]):
         for j in range(logp.shape[1]):
             if mask[i, j]:
-                rho = math.exp(logp[i, j].item() - blogp[i, j].item())
-                rho_p = 1.0 if clogp is None else math.exp(clogp[i, j].item() - blogp[i, j].item())
-                lo, hi = (max(rho_p - 0.2, 0.0), rho_p + 0.28) if center == "current" else (0.8, 1.28)
+                rho = math.exp(logp[i, j].item() - alpha_logp[i, j].item())
+                rho_p = 1.0 if pi_k_logp is None else math.exp(pi_k_logp[i, j].item() - alpha_logp[i, j].item())
+                lo, hi = (max(rho_p - 0.2, 0.0), rho_p + 0.28) if center == "pi_k" else (0.8, 1.28)
                 valid += 1
                 low += int(rho < lo and adv[i].item() < 0)
                 high += int(rho > hi and adv[i].item() > 0)
@@ -140,18 +141,18 @@ def test_policy_loss_matches_loop_value_and_gradient(center, agg, use_current, b
 
 
 def test_clipped_tokens_get_zero_gradient_on_the_pushed_side():
-    # One token per case; behaviour centre [0.8, 1.2].
+    # One token per case; the alpha centre [0.8, 1.2].
     ratios = torch.tensor([1.5, 1.5, 0.5, 0.5, 1.0], dtype=torch.float64)
     adv = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0], dtype=torch.float64)
-    logp = torch.log(ratios).unsqueeze(1).requires_grad_(True)  # behaviour logp = 0
+    logp = torch.log(ratios).unsqueeze(1).requires_grad_(True)  # log alpha = log pi_k = 0
     loss, stats = policy_loss(
         logp,
         torch.zeros(5, 1, dtype=torch.float64),
-        None,
+        torch.zeros(5, 1, dtype=torch.float64),
         None,
         adv,
         torch.ones(5, 1),
-        clip_center="behaviour",
+        clip_center="alpha",
         agg="constant",
         max_new_tokens=1,
     )
@@ -166,17 +167,17 @@ def test_clipped_tokens_get_zero_gradient_on_the_pushed_side():
 def test_current_centre_follows_rho_prime():
     # A stale sampler: rho' = 2 (pi_k twice as likely as alpha), so the current-centre interval is
     # [1.8, 2.2]: rho = 2.0 (no update yet) keeps its gradient, rho = 2.3 is clipped for A > 0.
-    # Under the behaviour centre [0.8, 1.2] the token is clipped already at rho = rho' = 2.
-    blogp = torch.zeros(1, 1, dtype=torch.float64)
-    clogp = torch.full((1, 1), math.log(2.0), dtype=torch.float64)
+    # Under the alpha centre [0.8, 1.2] the token is clipped already at rho = rho' = 2.
+    alpha_logp = torch.zeros(1, 1, dtype=torch.float64)
+    pi_k_logp = torch.full((1, 1), math.log(2.0), dtype=torch.float64)
     for r, clipped_current in ((2.0, False), (2.3, True)):
         x = torch.full((1, 1), math.log(r), dtype=torch.float64, requires_grad=True)
-        policy_loss(x, blogp, clogp, None, torch.ones(1, dtype=torch.float64), torch.ones(1, 1))[0].backward()
+        policy_loss(x, alpha_logp, pi_k_logp, None, torch.ones(1, dtype=torch.float64), torch.ones(1, 1))[0].backward()
         assert (x.grad.item() == 0) == clipped_current
     x = torch.full((1, 1), math.log(2.0), dtype=torch.float64, requires_grad=True)
-    policy_loss(x, blogp, clogp, None, torch.ones(1, dtype=torch.float64), torch.ones(1, 1), clip_center="behaviour")[
-        0
-    ].backward()
+    policy_loss(
+        x, alpha_logp, pi_k_logp, None, torch.ones(1, dtype=torch.float64), torch.ones(1, 1), clip_center="alpha"
+    )[0].backward()
     assert x.grad.item() == 0
 
 
@@ -185,30 +186,30 @@ def test_one_inner_step_current_centre_is_rho_prime_weighted_reinforce():
     # the current-centred interval [rho' - eps, rho' + eps] always holds rho and nothing is clipped,
     # however stale alpha is (spread 1.5: rho' from e^-1.5 to e^1.5). The step is then
     #     grad = - (1/|tokens|) sum_t rho'_t A_i grad log pi(y_t),
-    # importance-weighted REINFORCE. The behaviour centre does clip these tokens.
-    _, blogp, clogp, _, adv, mask = random_batch(seed=7, n=8, t=6, spread=1.5)
-    logp = clogp.clone().requires_grad_(True)
-    loss, stats = policy_loss(logp, blogp, clogp, None, adv, mask, clip_center="current")
+    # importance-weighted REINFORCE. The alpha centre does clip these tokens.
+    _, alpha_logp, pi_k_logp, _, adv, mask = random_batch(seed=7, n=8, t=6, spread=1.5)
+    logp = pi_k_logp.clone().requires_grad_(True)
+    loss, stats = policy_loss(logp, alpha_logp, pi_k_logp, None, adv, mask, clip_center="pi_k")
     loss.backward()
-    rho_prime = torch.exp(clogp - blogp)
+    rho_prime = torch.exp(pi_k_logp - alpha_logp)
     expected = -rho_prime * adv[:, None] * mask / mask.sum()  # d loss / d logp, token by token
     torch.testing.assert_close(logp.grad, expected)
     assert stats["clip_low"] == 0 and stats["clip_high"] == 0
-    _, stats_b = policy_loss(clogp, blogp, clogp, None, adv, mask, clip_center="behaviour")
+    _, stats_b = policy_loss(pi_k_logp, alpha_logp, pi_k_logp, None, adv, mask, clip_center="alpha")
     assert stats_b["clip_low"] + stats_b["clip_high"] > 0.2
 
 
 def test_micro_batch_totals_add_up():
-    logp, blogp, clogp, rlogp, adv, mask = random_batch(3, n=8)
+    logp, alpha_logp, pi_k_logp, ref_logp, adv, mask = random_batch(3, n=8)
     for agg in ("token-mean", "seq-mean", "constant"):
-        whole, _ = policy_loss(logp, blogp, clogp, rlogp, adv, mask, beta=0.1, agg=agg, max_new_tokens=5)
+        whole, _ = policy_loss(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, beta=0.1, agg=agg, max_new_tokens=5)
         total = aggregation_total(mask, agg, 5)
         parts = sum(
             policy_loss(
                 logp[s : s + 2],
-                blogp[s : s + 2],
-                clogp[s : s + 2],
-                rlogp[s : s + 2],
+                alpha_logp[s : s + 2],
+                pi_k_logp[s : s + 2],
+                ref_logp[s : s + 2],
                 adv[s : s + 2],
                 mask[s : s + 2],
                 beta=0.1,
@@ -226,16 +227,16 @@ def test_micro_batch_totals_add_up():
 
 @pytest.mark.parametrize("iw", [False, True])
 def test_rec_loss_matches_loop(iw):
-    logp, blogp, _, _, adv, mask = random_batch(7, spread=0.5)
+    logp, alpha_logp, _, _, adv, mask = random_batch(7, spread=0.5)
     x = logp.clone().requires_grad_(True)
-    loss, _ = rec_loss(x, blogp, adv, mask, clip_eps=0.2, clip_eps_high=0.3, importance_weight=iw)
+    loss, _ = rec_loss(x, alpha_logp, adv, mask, clip_eps=0.2, clip_eps_high=0.3, importance_weight=iw)
     loss.backward()
     value, grad, count = 0.0, torch.zeros_like(logp), mask.sum().item()
     for i in range(logp.shape[0]):
         for j in range(logp.shape[1]):
             if not mask[i, j]:
                 continue
-            rho = math.exp(logp[i, j].item() - blogp[i, j].item())
+            rho = math.exp(logp[i, j].item() - alpha_logp[i, j].item())
             a = adv[i].item()
             m = (a > 0 and rho <= 1.3) or (a < 0 and rho >= 0.8)
             w = rho if iw else 1.0
@@ -246,9 +247,9 @@ def test_rec_loss_matches_loop(iw):
 
 
 def test_opmd_loss_matches_loop():
-    logp, blogp, _, _, adv, mask = random_batch(11)
+    logp, alpha_logp, _, _, adv, mask = random_batch(11)
     x = logp.clone().requires_grad_(True)
-    loss, _ = opmd_loss(x, blogp, adv, mask, tau_reg=0.3, agg="seq-mean")
+    loss, _ = opmd_loss(x, alpha_logp, adv, mask, tau_reg=0.3, agg="seq-mean")
     loss.backward()
     seqs, grad = [], torch.zeros_like(logp)
     n_seq = sum(1 for i in range(len(mask)) if mask[i].sum() > 0)
@@ -259,7 +260,7 @@ def test_opmd_loss_matches_loop():
         terms = []
         for j in range(logp.shape[1]):
             if mask[i, j]:
-                d = logp[i, j].item() - blogp[i, j].item()
+                d = logp[i, j].item() - alpha_logp[i, j].item()
                 terms.append(-adv[i].item() * logp[i, j].item() + 0.15 * d * d)
                 grad[i, j] = (-adv[i].item() + 0.3 * d) / k / n_seq
         seqs.append(sum(terms) / k)
@@ -270,26 +271,46 @@ def test_opmd_loss_matches_loop():
 # --------------------------------------------------------------------------- per-token terms
 
 
-@pytest.mark.parametrize("center", ["current", "behaviour", "decoupled"])
+@pytest.mark.parametrize("center", ["pi_k", "alpha", "decoupled"])
 def test_per_token_terms_take_per_sequence_or_per_token_advantages(center):
     # verl_grpo.py passes A already broadcast over the response, (N, T); the losses pass (N,). Same terms.
-    logp, blogp, clogp, _, adv, _ = random_batch(1, n=8, t=6, spread=0.5)
+    logp, alpha_logp, pi_k_logp, _, adv, _ = random_batch(1, n=8, t=6, spread=0.5)
     adv_tok = adv.unsqueeze(1).expand_as(logp)  # (N, T)
     kw = dict(clip_eps=0.2, clip_eps_high=0.28, clip_center=center, is_mask=2.0)
-    per_seq = surrogate_per_token(logp, blogp, clogp, adv, **kw)
-    per_tok = surrogate_per_token(logp, blogp, clogp, adv_tok, **kw)
+    per_seq = corrected_surrogate(logp, alpha_logp, pi_k_logp, adv, **kw)
+    per_tok = corrected_surrogate(logp, alpha_logp, pi_k_logp, adv_tok, **kw)
     for a, b in zip(per_seq, per_tok, strict=True):
         assert a.shape == logp.shape and torch.equal(a, b)
     # The batch has clipped tokens on both sides and MIS-dropped ones, so the masks are not trivially equal.
     _, _, clip_low, clip_high, keep = per_seq
     assert clip_low.any() and clip_high.any() and not keep.all()
     for a, b in zip(
-        rec_per_token(logp, blogp, adv, importance_weight=True),
-        rec_per_token(logp, blogp, adv_tok, importance_weight=True),
+        rec_per_token(logp, alpha_logp, adv, importance_weight=True),
+        rec_per_token(logp, alpha_logp, adv_tok, importance_weight=True),
         strict=True,
     ):
         assert a.shape == logp.shape and torch.equal(a, b)
     for a, b in zip(
-        opmd_per_token(logp, blogp, adv, tau_reg=0.3), opmd_per_token(logp, blogp, adv_tok, tau_reg=0.3), strict=True
+        opmd_per_token(logp, alpha_logp, adv, tau_reg=0.3),
+        opmd_per_token(logp, alpha_logp, adv_tok, tau_reg=0.3),
+        strict=True,
     ):
         assert a.shape == logp.shape and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("center", ["pi_k", "alpha"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "constant"])
+def test_corrected_loss_without_a_correction_is_the_policy_loss_bit_for_bit(center, agg):
+    # corrections.py restates the clip of the two centres through objective.clip_interval; with no weight, cap or
+    # mask it must be [A]'s (or PPO's) loss exactly, in value, gradient and statistics.
+    logp, alpha_logp, pi_k_logp, ref_logp, adv, mask = random_batch(seed=11)
+    kw = dict(clip_eps=0.2, clip_eps_high=0.28, clip_center=center, beta=0.1, agg=agg, max_new_tokens=7)
+    results = []
+    for loss_of in (policy_loss, corrected_policy_loss):
+        x = logp.clone().requires_grad_(True)
+        loss, stats = loss_of(x, alpha_logp, pi_k_logp, ref_logp, adv, mask, **kw)
+        loss.backward()
+        results.append((loss.detach(), x.grad, stats))
+    (loss_a, grad_a, stats_a), (loss_b, grad_b, stats_b) = results
+    assert torch.equal(loss_a, loss_b) and torch.equal(grad_a, grad_b) and stats_a == stats_b
+    assert stats_a["clip_low"] + stats_a["clip_high"] > 0  # the clip acts on this batch

@@ -1,5 +1,5 @@
 """A real pretrained model: SmolLM2-135M-Instruct (30 layers, grouped-query attention, pad = eos = <|im_end|>,
-a ChatML template with a default system prompt), read from a GGUF file through run_io.load_policy.
+a ChatML template with a default system prompt), read from a GGUF file through policy.load_policy.
 
 Each check is against something independent of the code it tests: the tokenizer's own chat template and
 hand-written ChatML, transformers' own `generate` and cross-entropy loss, the `gguf` package's own
@@ -21,12 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import policy
 import run_io
 import tasks
 import train
 from config import Config, ConfigError, resolve
 from conftest import ROOT
-from logprobs import token_logprobs
+from logprobs import chunked_token_logprobs
 from objective import aggregation_total, policy_loss
 from reward import math_reward
 from rollout import Rollout, generate
@@ -45,8 +46,13 @@ OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b
 
 def phrasing(template: str) -> re.Pattern:
     """A regex that matches exactly the questions a template makes (numbers, names and objects as groups)."""
-    fields = {"a": r"(?P<a>\d+)", "b": r"(?P<b>\d+)", "n": r"(?P<n>[A-Z][a-z]+)", "m": r"(?P<m>[A-Z][a-z]+)",
-              "x": r"(?P<x>[a-z]+)"}  # fmt: skip
+    fields = {
+        "a": r"(?P<a>\d+)",
+        "b": r"(?P<b>\d+)",
+        "n": r"(?P<n>[A-Z][a-z]+)",
+        "m": r"(?P<m>[A-Z][a-z]+)",
+        "x": r"(?P<x>[a-z]+)",
+    }
     out, seen = "", set()
     for literal, name in re.findall(r"([^{]*)(?:\{(\w)\})?", template):
         out += re.escape(literal)
@@ -86,7 +92,7 @@ def test_wordproblems_splits_are_fixed_disjoint_by_phrasing_and_their_golds_are_
 def test_config_accepts_wordproblems_and_the_tiny_policy_refuses_it():
     assert "wordproblems" in [f for f in Config.__dataclass_fields__["task"].metadata["choices"]]
     with pytest.raises(ConfigError, match="--model tiny only knows --task arithmetic"):
-        run_io.load_policy(resolve(Config(task="wordproblems", out="/tmp/unused")), log=lambda m: None)
+        policy.load_policy(resolve(Config(task="wordproblems", out="/tmp/unused")), log=lambda m: None)
 
 
 # --- finding and reading a GGUF file (no model) ------------------------------------------------------------------
@@ -96,19 +102,19 @@ def test_gguf_file_is_the_path_or_the_one_gguf_of_a_folder(tmp_path):
     one = tmp_path / "one"
     one.mkdir()
     (one / "m.gguf").write_bytes(b"")
-    assert run_io.gguf_file(str(one / "m.gguf")) == one / "m.gguf"
-    assert run_io.gguf_file(str(one)) == one / "m.gguf"
+    assert policy.gguf_file(str(one / "m.gguf")) == one / "m.gguf"
+    assert policy.gguf_file(str(one)) == one / "m.gguf"
     (one / "config.json").write_text("{}")  # a transformers folder: loaded as such, whatever else it holds
-    assert run_io.gguf_file(str(one)) is None
+    assert policy.gguf_file(str(one)) is None
     two = tmp_path / "two"
     two.mkdir()
     for name in ("a.gguf", "b.gguf"):
         (two / name).write_bytes(b"")
     with pytest.raises(ConfigError, match="2 GGUF files"):
-        run_io.gguf_file(str(two))
-    assert run_io.gguf_file("tiny") is None and run_io.gguf_file("HuggingFaceTB/SmolLM2-135M-Instruct") is None
+        policy.gguf_file(str(two))
+    assert policy.gguf_file("tiny") is None and policy.gguf_file("HuggingFaceTB/SmolLM2-135M-Instruct") is None
     with pytest.raises(ConfigError, match="no such GGUF file"):
-        run_io.gguf_file(str(tmp_path / "absent.gguf"))
+        policy.gguf_file(str(tmp_path / "absent.gguf"))
 
 
 def test_without_the_gguf_package_train_py_says_so_in_one_line(tmp_path):
@@ -118,8 +124,14 @@ def test_without_the_gguf_package_train_py_says_so_in_one_line(tmp_path):
         "sys.exit(train.main(sys.argv[2:]))"
     )
     args = ["--model", str(tmp_path / "m.gguf"), "--task", "wordproblems", "--out", str(tmp_path / "run")]
-    r = subprocess.run([sys.executable, "-c", code, str(ROOT), *args], capture_output=True, text=True, timeout=300,
-                       cwd=ROOT, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "gguf package" in lines[0] and "pip install gguf" in lines[0], r.stderr
@@ -154,8 +166,10 @@ def test_gguf_loads_as_a_plain_float32_llama_that_saves_and_reloads(smollm2, smo
     # permute (the embedding, tied to the head, and a layer's down projection).
     reader = gguf.GGUFReader(str(smollm2_gguf))
     tensors = {t.name: t for t in reader.tensors}
-    for name, param in (("token_embd.weight", model.model.embed_tokens.weight),
-                        ("blk.3.ffn_down.weight", model.model.layers[3].mlp.down_proj.weight)):  # fmt: skip
+    for name, param in (
+        ("token_embd.weight", model.model.embed_tokens.weight),
+        ("blk.3.ffn_down.weight", model.model.layers[3].mlp.down_proj.weight),
+    ):
         t = tensors[name]
         ref = torch.from_numpy(gguf.dequantize(t.data, t.tensor_type).copy()).reshape(param.shape)
         assert torch.equal(param.detach(), ref.float()), name
@@ -181,8 +195,9 @@ def test_the_prompt_is_the_chat_template_with_the_generation_prompt(smollm2):
     for row, keep, p in zip(ids, mask, WORD):
         mine = row[keep.bool()].tolist()
         user = f"{p.question}\n{INSTRUCTION}"
-        theirs = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=True,
-                                         add_generation_prompt=True)["input_ids"]  # fmt: skip
+        theirs = tok.apply_chat_template(
+            [{"role": "user", "content": user}], tokenize=True, add_generation_prompt=True
+        )["input_ids"]
         assert mine == theirs
         # ChatML written out by hand: the default system prompt, the user turn, the open assistant turn.
         system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -215,8 +230,16 @@ def test_nothing_of_the_template_reaches_the_verifier(smollm2, monkeypatch):
     # Sampled completions of the real model: what the verifier reads holds no template token.
     seen.clear()
     p_ids, p_mask = encode_prompts(tok, WORD[:2], "cpu")
-    ro = generate(model, p_ids, p_mask, group_size=2, max_new_tokens=24, temperature=1.0,
-                  generator=torch.Generator().manual_seed(0), **special(tok))  # fmt: skip
+    ro = generate(
+        model,
+        p_ids,
+        p_mask,
+        group_size=2,
+        max_new_tokens=24,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(0),
+        **special(tok),
+    )
     train.verifier(tok, WORD[:2], 2)(ro)
     assert len(seen) == 4
     for text, row, keep in zip(seen, ro.completion_ids, ro.completion_mask):
@@ -256,8 +279,11 @@ def test_the_first_im_end_ends_a_completion_is_masked_in_and_gets_a_gradient(smo
 
     model, tok = smollm2
     eos = tok.eos_token_id
-    probs = [Problem("Reply with the single word: yes.", "0"), Problem("Write a long story about a dragon.", "0"),
-             WORD[0]]  # fmt: skip
+    probs = [
+        Problem("Reply with the single word: yes.", "0"),
+        Problem("Write a long story about a dragon.", "0"),
+        WORD[0],
+    ]
     ids, mask = encode_prompts(tok, probs, "cpu")
     ro = generate(model, ids, mask, group_size=1, max_new_tokens=40, temperature=0.0, **special(tok))
     lengths = ro.completion_mask.sum(1).tolist()
@@ -279,8 +305,16 @@ def test_the_first_im_end_ends_a_completion_is_masked_in_and_gets_a_gradient(smo
     for value, truncated, n in ((-1e4, True, 6), (1e4, False, 1)):
         handle = lm_head_bias(model, eos, value)
         try:
-            forced = generate(model, ids, mask, group_size=2, max_new_tokens=6, temperature=1.0,
-                              generator=torch.Generator().manual_seed(0), **special(tok))  # fmt: skip
+            forced = generate(
+                model,
+                ids,
+                mask,
+                group_size=2,
+                max_new_tokens=6,
+                temperature=1.0,
+                generator=torch.Generator().manual_seed(0),
+                **special(tok),
+            )
         finally:
             handle.remove()
         check_eos_rules(forced, eos)
@@ -288,11 +322,18 @@ def test_the_first_im_end_ends_a_completion_is_masked_in_and_gets_a_gradient(smo
     # The loss reaches the <|im_end|> token: the GRPO objective's gradient at its position is not zero, and its
     # log-prob is differentiable in the weights; positions after it get no gradient.
     ended = [i for i in range(len(probs)) if not ro.truncated[i]]
-    logp = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)  # (N, T) with grad
+    logp = chunked_token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)  # (N, T) with grad
     leaf = logp.detach().requires_grad_()
     adv = torch.tensor([1.0, -1.0, 0.5])
-    loss, _ = policy_loss(leaf, leaf.detach(), leaf.detach(), None, adv, ro.completion_mask,
-                          total=aggregation_total(ro.completion_mask, "token-mean"))  # fmt: skip
+    loss, _ = policy_loss(
+        leaf,
+        leaf.detach(),
+        leaf.detach(),
+        None,
+        adv,
+        ro.completion_mask,
+        total=aggregation_total(ro.completion_mask, "token-mean"),
+    )
     (g,) = torch.autograd.grad(loss, leaf)
     for i in ended:
         n = lengths[i]
@@ -307,24 +348,40 @@ def test_sampler_log_probs_equal_a_full_forward_on_a_30_layer_gqa_model(smollm2)
     ids, mask = encode_prompts(tok, WORD, "cpu")  # prompts of different lengths: left padding
     assert (mask == 0).any()
     for temperature in (0.7, 1.0):
-        ro = generate(model, ids, mask, group_size=2, max_new_tokens=24, temperature=temperature,
-                      generator=torch.Generator().manual_seed(1), **special(tok))  # fmt: skip
+        ro = generate(
+            model,
+            ids,
+            mask,
+            group_size=2,
+            max_new_tokens=24,
+            temperature=temperature,
+            generator=torch.Generator().manual_seed(1),
+            **special(tok),
+        )
         assert not torch.equal(ro.completion_ids[0], ro.completion_ids[1])  # a group's rows differ
         with torch.no_grad():
-            full = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, temperature)
+            full = chunked_token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, temperature)
         keep = ro.completion_mask.bool()
-        assert (ro.sampler_logp[~keep] == 0).all() and (full[~keep] == 0).all()
-        assert (ro.sampler_logp - full).abs().max() < 1e-4, (ro.sampler_logp - full).abs().max()
+        assert (ro.alpha_logp[~keep] == 0).all() and (full[~keep] == 0).all()
+        assert (ro.alpha_logp - full).abs().max() < 1e-4, (ro.alpha_logp - full).abs().max()
 
 
 @real
 def test_token_logprobs_equal_the_models_own_cross_entropy(smollm2):
     model, tok = smollm2
     ids, mask = encode_prompts(tok, WORD, "cpu")
-    ro = generate(model, ids, mask, group_size=1, max_new_tokens=16, temperature=1.0,
-                  generator=torch.Generator().manual_seed(2), **special(tok))  # fmt: skip
+    ro = generate(
+        model,
+        ids,
+        mask,
+        group_size=1,
+        max_new_tokens=16,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(2),
+        **special(tok),
+    )
     with torch.no_grad():
-        logp = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)  # (N, T)
+        logp = chunked_token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)  # (N, T)
         for i in range(len(WORD)):
             # One row alone, unpadded: transformers' labels loss, the mean cross-entropy of the labelled tokens.
             seq = ro.input_ids[i][ro.attention_mask[i].bool()]
@@ -353,8 +410,18 @@ def test_two_grpo_steps_at_v2_are_finite_move_the_weights_and_log_a_full_row(
     from transformers import AutoModelForCausalLM
 
     model, tok = smollm2
-    kw = dict(steps=2, offpolicy_steps=2, prompts_per_step=2, group_size=2, max_new_tokens=10, eval_size=2,
-              eval_every=0, lr=1e-5, device="cpu", progress=False)  # fmt: skip
+    kw = dict(
+        steps=2,
+        offpolicy_steps=2,
+        prompts_per_step=2,
+        group_size=2,
+        max_new_tokens=10,
+        eval_size=2,
+        eval_every=0,
+        lr=1e-5,
+        device="cpu",
+        progress=False,
+    )
     cfg = resolve(Config(model=str(smollm2_gguf), task="wordproblems", out=str(tmp_path / "real"), **kw))
     rows, trained = run_two_steps(cfg, copy.deepcopy(model), tok, monkeypatch)
     assert len(rows) == 2

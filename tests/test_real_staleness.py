@@ -87,15 +87,42 @@ def test_the_table_pairs_each_run_with_the_baseline_of_its_seed():
 
 
 def test_the_toy_deltas_come_from_the_toy_csv(tmp_path):
-    cols = ["correction", "shared_baseline", "offpolicy_steps", "inner_steps", "lr", "clip_center", "loss", "is_cap",
-            "seed", "step", "wall_s", "eval_accuracy", "reward", "clip_frac", "rho_prime_p99", "is_capped_frac",
-            "is_masked_frac", "mismatch_kl_k3"]  # fmt: skip
+    cols = [
+        "correction",
+        "shared_baseline",
+        "offpolicy_steps",
+        "inner_steps",
+        "lr",
+        "clip_center",
+        "loss",
+        "is_cap",
+        "seed",
+        "step",
+        "wall_s",
+        "eval_accuracy",
+        "reward",
+        "clip_frac",
+        "rho_prime_p99",
+        "is_capped_frac",
+        "is_masked_frac",
+        "mismatch_kl_k3",
+    ]
     rows = []
     for c, v, ends in ((rs.BASELINE, 1, (0.5, 0.6)), ("rec", 4, (0.55, 0.7)), ("current", 4, (0.4, 0.5))):
         for s, end in enumerate(ends):
             for k, a in ((0, 0.3), (200, end)):
-                rows.append(dict(correction=c, offpolicy_steps=v, inner_steps=1, lr=1e-4, seed=s, step=k,
-                                 eval_accuracy=a, wall_s=1.0))  # fmt: skip
+                rows.append(
+                    dict(
+                        correction=c,
+                        offpolicy_steps=v,
+                        inner_steps=1,
+                        lr=1e-4,
+                        seed=s,
+                        step=k,
+                        eval_accuracy=a,
+                        wall_s=1.0,
+                    )
+                )
     runner.write_csv(rows, cols, tmp_path / "toy.csv")
     toy = rs.toy_deltas(tmp_path / "toy.csv")
     assert toy[("rec", 4)] == pytest.approx([0.05, 0.1]) and toy[("current", 4)] == pytest.approx([-0.1, -0.1])

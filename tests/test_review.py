@@ -1,5 +1,6 @@
 """Defects a close review found, each pinned by a test that failed before its fix (issue: "the house, part 2")."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,14 +11,15 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-import objective
+import corrections
 import reinforce
 import run_io
 import step
 from config import Config, resolve
-from conftest import ROOT
-from logprobs import token_logprobs
-from objective import aggregation_total, mis_keep_mask, policy_loss, surrogate_per_token
+from conftest import ROOT, needs
+from corrections import corrected_policy_loss, corrected_surrogate, mis_keep_mask
+from logprobs import chunked_token_logprobs
+from objective import aggregation_total
 from reinforce import opmd_loss, rec_loss
 from test_train import make_batch
 
@@ -25,27 +27,29 @@ from test_train import make_batch
 def overflow_outside_the_mask():
     """Two sequences of 3 tokens; the last token of each is outside the mask and its rho' overflows (inf)."""
     logp = torch.full((2, 3), -1.0, dtype=torch.float64, requires_grad=True)
-    blogp = torch.tensor([[-1.0, -1.2, -1000.0], [-0.8, -1.0, -1000.0]], dtype=torch.float64)
-    clogp = torch.tensor([[-1.1, -1.0, 0.0], [-0.9, -1.1, 0.0]], dtype=torch.float64)  # exp(1000) = inf
+    alpha_logp = torch.tensor([[-1.0, -1.2, -1000.0], [-0.8, -1.0, -1000.0]], dtype=torch.float64)
+    pi_k_logp = torch.tensor([[-1.1, -1.0, 0.0], [-0.9, -1.1, 0.0]], dtype=torch.float64)  # exp(1000) = inf
     ref = torch.tensor([[-1.0, -1.0, 1000.0], [-1.0, -1.0, 1000.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
-    return logp, blogp, clogp, ref, torch.tensor([1.0, -1.0], dtype=torch.float64), mask
+    return logp, alpha_logp, pi_k_logp, ref, torch.tensor([1.0, -1.0], dtype=torch.float64), mask
 
 
 @pytest.mark.parametrize(
     "loss",
-    ["current", "behaviour", "decoupled", "decoupled-tis", "mis", "rec", "rec-is", "opmd"],
+    ["pi_k", "alpha", "decoupled", "decoupled-tis", "mis", "rec", "rec-is", "opmd"],
 )
 def test_a_token_outside_the_mask_cannot_make_the_loss_or_gradient_non_finite(loss):
-    logp, blogp, clogp, ref, adv, mask = overflow_outside_the_mask()
+    logp, alpha_logp, pi_k_logp, ref, adv, mask = overflow_outside_the_mask()
     if loss in ("rec", "rec-is"):
-        value, _ = rec_loss(logp, blogp, adv, mask, importance_weight=loss == "rec-is")
+        value, _ = rec_loss(logp, alpha_logp, adv, mask, importance_weight=loss == "rec-is")
     elif loss == "opmd":
-        value, _ = opmd_loss(logp, blogp, adv, mask)
+        value, _ = opmd_loss(logp, alpha_logp, adv, mask)
     else:
-        center = loss.split("-")[0] if loss != "mis" else "current"
+        center = loss.split("-")[0] if loss != "mis" else "pi_k"
         kw = dict(is_cap=2.0 if loss == "decoupled-tis" else None, is_mask=4.0 if loss == "mis" else None)
-        value, _ = policy_loss(logp, blogp, clogp, ref, adv, mask, clip_center=center, beta=0.1, **kw)
+        value, _ = corrected_policy_loss(
+            logp, alpha_logp, pi_k_logp, ref, adv, mask, clip_center=center, beta=0.1, **kw
+        )
     value.backward()
     assert torch.isfinite(value) and torch.isfinite(logp.grad).all(), (value, logp.grad)
     assert (logp.grad[:, 2] == 0).all()  # the masked-out tokens get no gradient
@@ -56,24 +60,33 @@ def test_a_token_outside_the_mask_cannot_make_the_loss_or_gradient_non_finite(lo
     elif loss == "opmd":
         expected, _ = opmd_loss(sub[0], sub[1], sub[4], sub[5])
     else:
-        expected, _ = policy_loss(*sub, clip_center=center, beta=0.1, **kw)
+        expected, _ = corrected_policy_loss(*sub, clip_center=center, beta=0.1, **kw)
     assert value.item() == pytest.approx(expected.item(), rel=1e-12)
 
 
 def test_per_token_terms_are_named_tuples():
-    logp, blogp, clogp, _, adv, mask = overflow_outside_the_mask()
-    o = surrogate_per_token(logp[:, :2], blogp[:, :2], clogp[:, :2], adv, is_mask=4.0)
-    assert o.objective.shape == o.ratio.shape == o.clip_low.shape == o.clip_high.shape == o.keep.shape == (2, 2)
-    r = reinforce.rec_per_token(logp[:, :2], blogp[:, :2], adv)
-    assert r.objective.shape == r.ratio.shape == r.clip_low.shape == r.clip_high.shape == (2, 2)
-    m = reinforce.opmd_per_token(logp[:, :2], blogp[:, :2], adv)
-    assert m.per_token.shape == m.log_ratio.shape == (2, 2)
+    logp, alpha_logp, pi_k_logp, _, adv, mask = overflow_outside_the_mask()
+    o = corrected_surrogate(logp[:, :2], alpha_logp[:, :2], pi_k_logp[:, :2], adv, is_mask=4.0)
+    assert o.objective.shape == o.rho.shape == o.clip_low.shape == o.clip_high.shape == o.keep.shape == (2, 2)
+    r = reinforce.rec_per_token(logp[:, :2], alpha_logp[:, :2], adv)
+    assert r.objective.shape == r.rho.shape == r.clip_low.shape == r.clip_high.shape == (2, 2)
+    m = reinforce.opmd_per_token(logp[:, :2], alpha_logp[:, :2], adv)
+    assert m.per_token.shape == m.log_rho.shape == (2, 2)
 
 
 def dropout_model(tok):
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      attention_dropout=0.5, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_dropout=0.5,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(cfg)
 
@@ -83,29 +96,30 @@ def test_dropout_is_off_in_every_log_prob_pass(tok):
     model = dropout_model(tok)
     batch = make_batch(model, tok)
     cfg = resolve(Config(group_size=4, prompts_per_step=4, out="/tmp/unused", lr=0.0))
-    stats, pi_k = step.update(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0), batch, None, None)
+    stats, pi_k = step.update(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0), batch, None)
     model.eval()
     with torch.no_grad():
-        eval_logp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
+        eval_logp = chunked_token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
     m = batch.loss_mask > 0
     assert torch.equal(pi_k[m], eval_logp[m])
-    assert stats["ratio_mean"] == 1.0 and stats["clip_low"] == stats["clip_high"] == 0.0
+    assert stats["rho_mean"] == 1.0 and stats["clip_low"] == stats["clip_high"] == 0.0
 
 
 def test_update_calls_the_loss_by_keyword_with_the_final_normaliser_and_the_mismatch_once(model, tok, monkeypatch):
     # A stale step with MIS, micro-batched: every micro-batch's loss gets the whole step's MIS normaliser.
     batch = make_batch(model, tok)
     with torch.no_grad():
-        logp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
-    behaviour = logp + 0.8 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(0))
+        logp = chunked_token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
+    alpha_logp = logp + 0.8 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(0))
     cfg = resolve(Config(group_size=4, prompts_per_step=4, out="/tmp/unused", micro_batch=4, is_mask=1.5))
     calls, stats_calls = [], []
-    real_loss, real_stats = step.policy_loss, step.sampler_mismatch_stats
-    monkeypatch.setattr(step, "policy_loss", lambda *a, **kw: calls.append((a, kw)) or real_loss(*a, **kw))
-    monkeypatch.setattr(objective, "sampler_mismatch_stats", lambda *a, **kw: pytest.fail("policy_loss computes it"))
+    real_loss, real_stats = step.corrected_policy_loss, step.sampler_mismatch_stats
+    monkeypatch.setattr(step, "corrected_policy_loss", lambda *a, **kw: calls.append((a, kw)) or real_loss(*a, **kw))
+    monkeypatch.setattr(corrections, "sampler_mismatch_stats", lambda *a, **kw: pytest.fail("the loss computes it"))
     monkeypatch.setattr(step, "sampler_mismatch_stats", lambda *a, **kw: stats_calls.append(1) or real_stats(*a, **kw))
-    step.update(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0), batch, behaviour, None)
-    keep = mis_keep_mask(behaviour, logp, 1.5)
+    stale = dataclasses.replace(batch, alpha_logp=alpha_logp, alpha_is_pi_k=False)
+    step.update(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0), stale, None)
+    keep = mis_keep_mask(alpha_logp, logp, 1.5)
     expected = aggregation_total(batch.loss_mask * keep, cfg.agg, cfg.max_new_tokens)
     assert len(calls) == 4 and all(a == () for a, _ in calls)  # keywords only
     assert {kw["total"] for _, kw in calls} == {expected} and expected < batch.loss_mask.sum().item()
@@ -113,7 +127,7 @@ def test_update_calls_the_loss_by_keyword_with_the_final_normaliser_and_the_mism
 
 
 def test_curves_of_a_run_without_a_clip_draw_without_warnings(tmp_path):
-    pytest.importorskip("matplotlib")
+    needs("matplotlib", "plot")
     rows = [{"step": k, "reward": 0.5, "kl": 0.0, "entropy": 1.0, "rho_prime_max": 1.0} for k in range(3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with warnings.catch_warnings():
@@ -123,13 +137,17 @@ def test_curves_of_a_run_without_a_clip_draw_without_warnings(tmp_path):
 
 @pytest.mark.model
 def test_bench_trl_subclass_honours_steps_and_warmup_and_leaves_no_folder(tmp_path):
-    pytest.importorskip("trl")
+    needs("trl", "trl")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
     sizes = ["--prompts", "2", "--group", "2", "--prompt-len", "4", "--max-new-tokens", "2", "--threads", "1"]
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench", "--trl-subclass", *sizes, "--steps", "2", "--warmup", "0"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(res) == {"TRL GRPOTrainer", "ours v=1", "ours v=4"} and all(r["steps"] == 2 for r in res.values())

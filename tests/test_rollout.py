@@ -1,4 +1,5 @@
-"""rollout.py: log-probs against the transformers model's own loss; sampling and EOS handling."""
+"""logprobs.py and rollout.py: the textbook log-probs against the model's own loss, the chunked ones against the
+textbook; sampling and EOS handling."""
 
 from types import SimpleNamespace
 
@@ -7,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import logprobs
-from logprobs import position_ids_from_mask, token_logprobs
+from logprobs import chunked_token_logprobs, position_ids_from_mask, token_logprobs
 from rollout import cat_rollouts, generate, generate_batches, rollout_rows
 from tasks import Problem, encode_prompts
 
@@ -32,17 +33,19 @@ def test_token_logprobs_equal_the_models_own_loss(model, tok):
         labels = ids.clone()
         labels[:, : ids.shape[1] - cmask.shape[1]] = -100
         own = model(input_ids=ids, labels=labels).loss
-        ours = token_logprobs(model, ids, attn, cmask, temperature=1.0)
-        assert torch.allclose(-ours[cmask.bool()].mean(), own, atol=1e-5)
+        for logprobs_of in (token_logprobs, chunked_token_logprobs):
+            ours = logprobs_of(model, ids, attn, cmask, temperature=1.0)
+            assert torch.allclose(-ours[cmask.bool()].mean(), own, atol=1e-5), logprobs_of.__name__
 
 
-def test_token_logprobs_padding_invariant_and_temperature(model, tok):
+@pytest.mark.parametrize("logprobs_of", [token_logprobs, chunked_token_logprobs])
+def test_token_logprobs_padding_invariant_and_temperature(model, tok, logprobs_of):
     prompts, comps = ["1+1=", "12*12=", "99-9="], ["2", "144", "90"]
     ids, attn, cmask = batch_of(tok, prompts, comps)
-    batched = token_logprobs(model, ids, attn, cmask, temperature=0.7)
+    batched = logprobs_of(model, ids, attn, cmask, temperature=0.7)
     for i in range(3):
         a, b, c = batch_of(tok, [prompts[i]], [comps[i]])
-        single = token_logprobs(model, a, b, c, temperature=0.7)
+        single = logprobs_of(model, a, b, c, temperature=0.7)
         k = c.shape[1]
         assert torch.allclose(batched[i, :k][c[0].bool()], single[0][c[0].bool()], atol=1e-5)
         assert (batched[i][~cmask[i].bool()] == 0).all()
@@ -53,25 +56,27 @@ def test_token_logprobs_padding_invariant_and_temperature(model, tok):
     assert torch.allclose(batched, ref, atol=1e-5)
 
 
-def test_chunked_head_gradient_equals_full_logits(model, tok):
-    ids, attn, cmask = batch_of(tok, ["1+1=", "12*12=", "50-7="], ["2", "144", "43"])
-    t = cmask.shape[1]
-    w = torch.randn(cmask.shape)
-    (token_logprobs(model, ids, attn, cmask, 0.9, chunk=2) * w).sum().backward()  # several chunks
-    fused = [p.grad.clone() for p in model.parameters()]
+def test_chunked_logprobs_equal_the_textbook_in_value_and_gradient(model, tok):
+    # Groups of rows share a prompt (the chunked path runs it once and fans its KV cache out), the LM head runs
+    # in several chunks, and the temperature is not 1: the optimisation against the textbook line it replaces.
+    ids, attn, cmask = batch_of(tok, ["1+1=", "1+1=", "12*12=", "12*12=", "50-7="], ["2", "3", "144", "14", "43"])
+    w = torch.randn(cmask.shape, generator=torch.Generator().manual_seed(0))
+    chunked = chunked_token_logprobs(model, ids, attn, cmask, 0.9, chunk=2)
+    (chunked * w).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits
-    ref = F.log_softmax(logits[:, -t - 1 : -1] / 0.9, -1).gather(2, ids[:, -t:, None]).squeeze(2) * cmask
-    (ref * w).sum().backward()
-    for g, p in zip(fused, model.parameters()):
-        assert torch.allclose(g, p.grad, atol=1e-5)
+    textbook = token_logprobs(model, ids, attn, cmask, 0.9)
+    (textbook * w).sum().backward()
+    assert torch.allclose(chunked, textbook, atol=1e-5) and (textbook[cmask == 0] == 0).all()
+    assert all(torch.allclose(g, p.grad, atol=1e-5) for g, p in zip(grads, model.parameters()))
+    assert max(g.abs().max() for g in grads) > 0
 
 
 def test_generic_head_path_agrees(model, tok, monkeypatch):
     ids, attn, cmask = batch_of(tok, ["3+4=", "10-20="], ["7", "-10"])
-    fused = token_logprobs(model, ids, attn, cmask, 1.0)
+    textbook = token_logprobs(model, ids, attn, cmask, 1.0)
     monkeypatch.setattr(logprobs, "has_plain_head", lambda m: False)
-    assert torch.allclose(token_logprobs(model, ids, attn, cmask, 1.0), fused, atol=1e-5)
+    assert torch.allclose(chunked_token_logprobs(model, ids, attn, cmask, 1.0), textbook, atol=1e-5)
 
 
 class ScriptedLM(torch.nn.Module):
@@ -115,7 +120,8 @@ def test_eos_is_kept_and_tokens_after_it_are_masked():
     from objective import policy_loss
 
     logp = torch.zeros(3, 3, requires_grad=True)
-    policy_loss(logp, logp.detach(), None, None, torch.tensor([1.0, -1.0, 0.5]), ro.completion_mask)[0].backward()
+    A = torch.tensor([1.0, -1.0, 0.5])
+    policy_loss(logp, logp.detach(), logp.detach(), None, A, ro.completion_mask)[0].backward()
     assert (logp.grad[ro.completion_mask.bool()] != 0).all() and (logp.grad[~ro.completion_mask.bool()] == 0).all()
     short = generate(
         lm,
@@ -139,8 +145,8 @@ def test_sampler_logprobs_match_a_forward_pass_and_seed_reproduces(model, tok):
     b = generate(model, ids, mask, generator=torch.Generator().manual_seed(1), **kw)
     assert torch.equal(a.completion_ids, b.completion_ids)
     assert a.completion_ids.shape[0] == 6 and torch.equal(a.prompt_ids[0], a.prompt_ids[2])  # group-major
-    lp = token_logprobs(model, a.input_ids, a.attention_mask, a.completion_mask, 1.3)
-    assert torch.allclose(lp, a.sampler_logp, atol=1e-5)  # KV-cached sampling == full forward
+    lp = chunked_token_logprobs(model, a.input_ids, a.attention_mask, a.completion_mask, 1.3)
+    assert torch.allclose(lp, a.alpha_logp, atol=1e-5)  # KV-cached sampling == full forward
 
 
 def test_greedy_is_argmax_of_the_full_forward(model, tok):
@@ -201,10 +207,10 @@ def test_generate_batches_splits_one_sampling_into_the_batches_each_step_would_h
         t = ro.completion_ids.shape[1]
         assert t == int(ref.completion_mask.sum(1).max())  # no all-padding completion column
         assert torch.equal(ro.completion_ids, ref.completion_ids[:, :t]) and torch.equal(ro.truncated, ref.truncated)
-        assert torch.equal(ro.sampler_logp, ref.sampler_logp[:, :t])
+        assert torch.equal(ro.alpha_logp, ref.alpha_logp[:, :t])
         # The trimmed batch is what the update reads: its log-probs equal the sampler's (one network).
-        lp = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)
-        assert torch.allclose(lp, ro.sampler_logp, atol=1e-5)
+        lp = chunked_token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)
+        assert torch.allclose(lp, ro.alpha_logp, atol=1e-5)
 
 
 def test_cat_then_rows_gives_back_each_part_exactly(model, tok):

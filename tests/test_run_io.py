@@ -6,18 +6,28 @@ import pytest
 
 import run_io
 from config import Config, ConfigError, resolve
+from conftest import needs
 
 
 def rows(n=12):
     return [
-        {"step": k, "reward": 0.1 * (k % 5), "kl": 0.01 * k, "clip_low": 0.0, "clip_high": 0.02, "entropy": 0.5,
-         "rho_prime_max": 1.0 + 0.1 * k, "rho_prime_mean": 1.0, **({"eval_accuracy": 0.4} if k == 5 else {})}
+        {
+            "step": k,
+            "reward": 0.1 * (k % 5),
+            "kl": 0.01 * k,
+            "clip_low": 0.0,
+            "clip_high": 0.02,
+            "entropy": 0.5,
+            "rho_prime_max": 1.0 + 0.1 * k,
+            "rho_prime_mean": 1.0,
+            **({"eval_accuracy": 0.4} if k == 5 else {}),
+        }
         for k in range(n)
-    ]  # fmt: skip
+    ]
 
 
 def test_curves_png_has_one_panel_per_quantity(tmp_path):
-    pytest.importorskip("matplotlib")
+    needs("matplotlib", "plot")
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows()))
     seen = []
     import matplotlib.figure
@@ -32,7 +42,7 @@ def test_curves_png_has_one_panel_per_quantity(tmp_path):
 
 
 def test_tensorboard_logs_every_numeric_metric(tmp_path):
-    pytest.importorskip("tensorboard")
+    needs("tensorboard", "tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     writer = run_io.RunWriter(resolve(Config(out=str(tmp_path), report_to="tensorboard")))

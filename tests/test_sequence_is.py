@@ -26,41 +26,43 @@ import math
 import pytest
 import torch
 
-from objective import aggregation_total, mis_keep_mask, policy_loss, sampler_mismatch_stats, surrogate_per_token
+from conftest import needs
+from corrections import corrected_policy_loss, corrected_surrogate, mis_keep_mask, sampler_mismatch_stats
+from objective import aggregation_total
 
 EPS_LO, EPS_HI, MAX_NEW = 0.2, 0.28, 7
 
 
-def level_ratio_loop(blogp, clogp, mask, i, level):
+def level_ratio_loop(alpha_logp, pi_k_logp, mask, i, level):
     """R_i (the product of rho'_t) or G_i (their geometric mean) over sequence i's valid tokens, in floats."""
-    logs = [clogp[i][j] - blogp[i][j] for j in range(len(mask[i])) if mask[i][j]]
+    logs = [pi_k_logp[i][j] - alpha_logp[i][j] for j in range(len(mask[i])) if mask[i][j]]
     if not logs:
         return 1.0
     total = sum(logs) if level == "sequence" else sum(logs) / len(logs)
     return math.exp(total) if total < 700 else math.inf
 
 
-def loop_loss(logp, blogp, clogp, rlogp, adv, mask, center, cap, mis, level, beta, agg):
+def loop_loss(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, center, cap, mis, level, beta, agg):
     """policy_loss's docstring, sequence by sequence and token by token, in plain Python floats."""
     all_terms, seq_means = [], []
     for i in range(len(logp)):
-        rho_level = level_ratio_loop(blogp, clogp, mask, i, level)
+        rho_level = level_ratio_loop(alpha_logp, pi_k_logp, mask, i, level)
         if mis is not None and not 1.0 / mis <= rho_level <= mis:
             continue  # sequence MIS: the whole sequence leaves the sum and the normaliser
         terms = []
         for j in range(len(logp[i])):
             if not mask[i][j]:
                 continue
-            rho, rho_p = math.exp(logp[i][j] - blogp[i][j]), math.exp(clogp[i][j] - blogp[i][j])
+            rho, rho_p = math.exp(logp[i][j] - alpha_logp[i][j]), math.exp(pi_k_logp[i][j] - alpha_logp[i][j])
             a = adv[i]
             if center == "decoupled":
                 r = rho / rho_p
                 w = rho_p if cap is None else min(rho_level, cap)
                 s = w * min(r * a, min(max(r, 1 - EPS_LO), 1 + EPS_HI) * a)
             else:
-                lo, hi = (max(rho_p - EPS_LO, 0.0), rho_p + EPS_HI) if center == "current" else (1 - EPS_LO, 1 + EPS_HI)
+                lo, hi = (max(rho_p - EPS_LO, 0.0), rho_p + EPS_HI) if center == "pi_k" else (1 - EPS_LO, 1 + EPS_HI)
                 s = min(rho * a, min(max(rho, lo), hi) * a)
-            d = rlogp[i][j] - logp[i][j]
+            d = ref_logp[i][j] - logp[i][j]
             terms.append(s - beta * (math.exp(d) - d - 1))
         all_terms += terms
         if terms:
@@ -76,20 +78,20 @@ def batch(seed, n=10, t=6, spread=0.5):
     g = torch.Generator().manual_seed(seed)
     u = lambda: torch.rand(n, t, generator=g, dtype=torch.float64) - 0.5
     logp = -torch.rand(n, t, generator=g, dtype=torch.float64) * 2
-    blogp, clogp, rlogp = logp + 2 * spread * u(), logp + 2 * spread * u(), logp + u()
+    alpha_logp, pi_k_logp, ref_logp = logp + 2 * spread * u(), logp + 2 * spread * u(), logp + u()
     adv = torch.randn(n, generator=g, dtype=torch.float64)
     mask = (torch.rand(n, t, generator=g) > 0.25).long()
     mask[0] = 0  # an invalid group's member: no valid token
-    blogp[mask == 0] += 300.0  # padding far off: it must not reach a sequence's ratio
-    return logp, blogp, clogp, rlogp, adv, mask
+    alpha_logp[mask == 0] += 300.0  # padding far off: it must not reach a sequence's ratio
+    return logp, alpha_logp, pi_k_logp, ref_logp, adv, mask
 
 
 # (centre, cap C, band M): sequence TIS, sequence MIS on every centre, and both together. The bands are chosen so
 # that each level keeps some sequences and drops others, and the cap truncates some weights and not others.
 CASES = [
     ("decoupled", "cap", None),
-    ("current", None, "band"),
-    ("behaviour", None, "band"),
+    ("pi_k", None, "band"),
+    ("alpha", None, "band"),
     ("decoupled", None, "band"),
     ("decoupled", "cap", "band"),
 ]
@@ -101,18 +103,30 @@ BAND = {"sequence": 2.0, "geometric": 1.12}
 @pytest.mark.parametrize("center,cap,mis", CASES)
 @pytest.mark.parametrize("agg,beta", [("token-mean", 0.0), ("seq-mean", 0.1), ("constant", 0.0)])
 def test_sequence_forms_match_the_loop_in_value_and_gradient(level, center, cap, mis, agg, beta):
-    logp, blogp, clogp, rlogp, adv, mask = batch(seed=3)
+    logp, alpha_logp, pi_k_logp, ref_logp, adv, mask = batch(seed=3)
     cap, mis = (CAP[level] if cap else None), (BAND[level] if mis else None)
     # The case is not trivial: the level ratio of the valid sequences lies on both sides of the cap / band.
-    ratios = [level_ratio_loop(blogp.tolist(), clogp.tolist(), mask.tolist(), i, level) for i in range(1, 10)]
+    ratios = [level_ratio_loop(alpha_logp.tolist(), pi_k_logp.tolist(), mask.tolist(), i, level) for i in range(1, 10)]
     for bound in [b for b in (cap, mis) if b is not None]:
         assert min(ratios) < 1 / bound or max(ratios) > bound, ratios
         assert any(1 / bound <= x <= bound for x in ratios), ratios
     kw = dict(clip_eps=EPS_LO, clip_eps_high=EPS_HI, clip_center=center, beta=beta, agg=agg, max_new_tokens=MAX_NEW)
     x = logp.clone().requires_grad_(True)
-    loss, _ = policy_loss(x, blogp, clogp, rlogp, adv, mask, is_cap=cap, is_mask=mis, is_level=level, **kw)
+    loss, _ = corrected_policy_loss(
+        x, alpha_logp, pi_k_logp, ref_logp, adv, mask, is_cap=cap, is_mask=mis, is_level=level, **kw
+    )
     loss.backward()
-    args = [blogp.tolist(), clogp.tolist(), rlogp.tolist(), adv.tolist(), mask.tolist(), center, cap, mis, level]
+    args = [
+        alpha_logp.tolist(),
+        pi_k_logp.tolist(),
+        ref_logp.tolist(),
+        adv.tolist(),
+        mask.tolist(),
+        center,
+        cap,
+        mis,
+        level,
+    ]
     L = lambda lp: loop_loss(lp, *args, beta, agg)
     assert loss.item() == pytest.approx(L(logp.tolist()), rel=1e-10, abs=1e-12)
     h = 1e-6  # the loop's gradient by central finite differences, token by token
@@ -126,32 +140,42 @@ def test_sequence_forms_match_the_loop_in_value_and_gradient(level, center, cap,
 
 @pytest.mark.parametrize("level", ["sequence", "geometric"])
 def test_keep_mask_statistics_and_micro_batches_follow_the_sequence(level):
-    logp, blogp, clogp, rlogp, adv, mask = batch(seed=5)
+    logp, alpha_logp, pi_k_logp, ref_logp, adv, mask = batch(seed=5)
     cap, mis = CAP[level], BAND[level]
-    keep = mis_keep_mask(blogp, clogp, mis, completion_mask=mask, is_level=level)  # (N, T)
-    terms = surrogate_per_token(
-        logp, blogp, clogp, adv, clip_center="decoupled", is_cap=cap, is_mask=mis, is_level=level, completion_mask=mask
+    keep = mis_keep_mask(alpha_logp, pi_k_logp, mis, loss_mask=mask, is_level=level)  # (N, T)
+    terms = corrected_surrogate(
+        logp,
+        alpha_logp,
+        pi_k_logp,
+        adv,
+        clip_center="decoupled",
+        is_cap=cap,
+        is_mask=mis,
+        is_level=level,
+        loss_mask=mask,
     )
     assert keep.shape == mask.shape and torch.equal(keep, terms.keep)
     valid = [i for i in range(10) if mask[i].any()]
-    ratios = {i: level_ratio_loop(blogp.tolist(), clogp.tolist(), mask.tolist(), i, level) for i in valid}
+    ratios = {i: level_ratio_loop(alpha_logp.tolist(), pi_k_logp.tolist(), mask.tolist(), i, level) for i in valid}
     for i in valid:  # a whole sequence is kept or dropped
         assert keep[i].all().item() == (1 / mis <= ratios[i] <= mis) and keep[i].all() == keep[i].any()
     # The fractions count tokens: those of the dropped sequences, and of the kept ones above the cap.
     n = mask.sum().item()
     masked = sum(mask[i].sum().item() for i in valid if not 1 / mis <= ratios[i] <= mis)
     capped = sum(mask[i].sum().item() for i in valid if 1 / mis <= ratios[i] <= mis and ratios[i] > cap)
-    st = sampler_mismatch_stats(blogp, clogp, mask, is_cap=cap, is_mask=mis, is_level=level)
+    st = sampler_mismatch_stats(alpha_logp, pi_k_logp, mask, is_cap=cap, is_mask=mis, is_level=level)
     assert masked > 0 and capped > 0
     assert (st["is_masked_frac"], st["is_capped_frac"]) == pytest.approx((masked / n, capped / n), abs=1e-12)
     # Row micro-batches with the whole step's normaliser add up to the whole step (a sequence's ratio is its own).
     kw = dict(clip_center="decoupled", beta=0.1, is_cap=cap, is_mask=mis, is_level=level)
     for agg in ("token-mean", "seq-mean", "constant"):
-        whole, _ = policy_loss(logp, blogp, clogp, rlogp, adv, mask, agg=agg, max_new_tokens=MAX_NEW, **kw)
+        whole, _ = corrected_policy_loss(
+            logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, agg=agg, max_new_tokens=MAX_NEW, **kw
+        )
         total = aggregation_total(mask * keep, agg, MAX_NEW)
         parts = sum(
-            policy_loss(
-                *(v[s : s + 3] for v in (logp, blogp, clogp, rlogp, adv, mask)),
+            corrected_policy_loss(
+                *(v[s : s + 3] for v in (logp, alpha_logp, pi_k_logp, ref_logp, adv, mask)),
                 agg=agg,
                 max_new_tokens=MAX_NEW,
                 total=total,
@@ -166,15 +190,24 @@ def test_an_overflowing_sequence_ratio_is_masked_or_capped_never_nan():
     # 40 tokens of log rho' = 20 each: R = e^800, past float64's exp (inf); G = e^20. float32 log-probs, as in
     # training, where a product of ratios would be inf already after 5 such tokens.
     t = 40
-    blogp = torch.full((2, t), -30.0)
-    clogp = torch.full((2, t), -10.0)
-    clogp[1] = -30.0  # the second sequence is on-policy: rho' = 1
+    alpha_logp = torch.full((2, t), -30.0)
+    pi_k_logp = torch.full((2, t), -10.0)
+    pi_k_logp[1] = -30.0  # the second sequence is on-policy: rho' = 1
     mask, adv = torch.ones(2, t), torch.tensor([1.0, -1.0])
     for level in ("sequence", "geometric"):
         for cap, mis in ((3.0, None), (None, 3.0), (3.0, 3.0)):
-            x = clogp.clone().requires_grad_(True)  # pi_theta = pi_k: r = 1, so o_t = w_t A and d o_t = w_t A
-            loss, _ = policy_loss(
-                x, blogp, clogp, None, adv, mask, clip_center="decoupled", is_cap=cap, is_mask=mis, is_level=level
+            x = pi_k_logp.clone().requires_grad_(True)  # pi_theta = pi_k: r = 1, so o_t = w_t A and d o_t = w_t A
+            loss, _ = corrected_policy_loss(
+                x,
+                alpha_logp,
+                pi_k_logp,
+                None,
+                adv,
+                mask,
+                clip_center="decoupled",
+                is_cap=cap,
+                is_mask=mis,
+                is_level=level,
             )
             loss.backward()
             assert torch.isfinite(loss) and torch.isfinite(x.grad).all(), (level, cap, mis)
@@ -182,27 +215,27 @@ def test_an_overflowing_sequence_ratio_is_masked_or_capped_never_nan():
             kept_tokens = t if mis is not None else 2 * t
             assert x.grad[0].tolist() == pytest.approx([0.0 if mis is not None else -3.0 / kept_tokens] * t)
             assert x.grad[1].tolist() == pytest.approx([1.0 / kept_tokens] * t)
-        st = sampler_mismatch_stats(blogp, clogp, mask, is_cap=3.0, is_mask=3.0, is_level=level)
+        st = sampler_mismatch_stats(alpha_logp, pi_k_logp, mask, is_cap=3.0, is_mask=3.0, is_level=level)
         assert st["is_masked_frac"] == 0.5 and st["is_capped_frac"] == 0.0
 
 
 def test_bad_levels_are_one_line_errors():
-    logp, blogp, clogp, rlogp, adv, mask = batch(seed=1)
+    logp, alpha_logp, pi_k_logp, ref_logp, adv, mask = batch(seed=1)
     bad = [
         (dict(is_mask=2.0, is_level="seq"), "is_level must be one of"),
         (dict(is_level="sequence"), "neither is set"),
-        (dict(is_cap=2.0, is_level="geometric", clip_center="current"), "has none"),
+        (dict(is_cap=2.0, is_level="geometric", clip_center="pi_k"), "has none"),
     ]
     for kw, message in bad:
         with pytest.raises(ValueError, match=message) as err:
-            policy_loss(logp, blogp, clogp, rlogp, adv, mask, **kw)
+            corrected_policy_loss(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, **kw)
         assert "\n" not in str(err.value)
-    with pytest.raises(ValueError, match="needs completion_mask"):
-        surrogate_per_token(logp, blogp, clogp, adv, is_mask=2.0, is_level="sequence")
-    with pytest.raises(ValueError, match="needs completion_mask"):
-        mis_keep_mask(blogp, clogp, 2.0, is_level="geometric")
+    with pytest.raises(ValueError, match="needs loss_mask"):
+        corrected_surrogate(logp, alpha_logp, pi_k_logp, adv, is_mask=2.0, is_level="sequence")
+    with pytest.raises(ValueError, match="needs loss_mask"):
+        mis_keep_mask(alpha_logp, pi_k_logp, 2.0, is_level="geometric")
     with pytest.raises(ValueError, match="is_level must be one of"):
-        sampler_mismatch_stats(blogp, clogp, mask, is_mask=2.0, is_level="tokens")
+        sampler_mismatch_stats(alpha_logp, pi_k_logp, mask, is_mask=2.0, is_level="tokens")
 
 
 # --------------------------------------------------------------------------- stock TRL 1.16
@@ -221,23 +254,34 @@ class StubVLLM:
         return prompts, self.completions, [[[lp] for lp in seq] for seq in self.logprobs], None
 
 
-def trl_ratio(model_dir, tok, rows, completions, sampler_logps, **is_args):
+def trl_ratio(model_dir, tok, rows, completions, engine_logps, **is_args):
     """TRL's own _generate_and_score_completions on a stubbed vLLM: (pi_old log-probs, mask, importance ratio)."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     args = GRPOConfig(
-        output_dir=str(model_dir / "out"), per_device_train_batch_size=len(rows), num_generations=4,
-        max_completion_length=8, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
-        gradient_checkpointing=False, disable_tqdm=True, **is_args,
-    )  # fmt: skip
+        output_dir=str(model_dir / "out"),
+        per_device_train_batch_size=len(rows),
+        num_generations=4,
+        max_completion_length=8,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+        **is_args,
+    )
     data = Dataset.from_dict({"prompt": [r["prompt"] for r in rows]})
     trainer = GRPOTrainer(
-        model=str(model_dir), reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-        train_dataset=data, processing_class=tok,
-    )  # fmt: skip
+        model=str(model_dir),
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=data,
+        processing_class=tok,
+    )
     trainer.use_vllm, trainer._last_loaded_step = True, -1
-    trainer.vllm_generation = StubVLLM(completions, sampler_logps)
+    trainer.vllm_generation = StubVLLM(completions, engine_logps)
     trainer.model.eval()
     out = trainer._generate_and_score_completions(rows)
     return out["old_per_token_logps"], out["completion_mask"], out.get("importance_sampling_ratio")
@@ -248,7 +292,7 @@ def test_the_product_form_is_stock_trls_sequence_truncate_and_sequence_mask(tok,
     """On the same log-probs, through TRL's real `_generate_and_score_completions`: is_level="sequence" with is_cap=C
     is "sequence_truncate" (clip_max C), and is_mask=M with is_cap=M is "sequence_mask" with clip_min 1/M, to 1e-6.
     With TRL's default clip_min=None, its mask keeps the sequences below 1/M that is_mask drops."""
-    pytest.importorskip("trl")
+    needs("trl", "trl")
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     g = torch.Generator().manual_seed(0)
@@ -269,21 +313,30 @@ def test_the_product_form_is_stock_trls_sequence_truncate_and_sequence_mask(tok,
     C = M = 3.0
 
     def ours(**kw):  # w_t with r = 1 and A = 1, so o_t = w_t; and the keep mask
-        terms = surrogate_per_token(
-            old, alpha, old, torch.ones(len(rows)), clip_center="decoupled", is_level="sequence",
-            completion_mask=mask, **kw,
-        )  # fmt: skip
+        terms = corrected_surrogate(
+            old,
+            alpha,
+            old,
+            torch.ones(len(rows)),
+            clip_center="decoupled",
+            is_level="sequence",
+            loss_mask=mask,
+            **kw,
+        )
         return terms.objective, terms.keep
 
     valid = mask.bool()
     runs = [
         (dict(vllm_importance_sampling_mode="sequence_truncate", vllm_importance_sampling_clip_max=C), dict(is_cap=C)),
         (
-            dict(vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_clip_max=M,
-                 vllm_importance_sampling_clip_min=1 / M),
+            dict(
+                vllm_importance_sampling_mode="sequence_mask",
+                vllm_importance_sampling_clip_max=M,
+                vllm_importance_sampling_clip_min=1 / M,
+            ),
             dict(is_cap=M, is_mask=M),
         ),
-    ]  # fmt: skip
+    ]
     for trl_args, our_args in runs:
         old2, mask2, ratio = trl_ratio(tmp_path, tok, rows, completions, sampler, **trl_args)
         assert torch.equal(old2, old) and torch.equal(mask2, mask) and ratio.shape == (len(rows), 1)
@@ -297,9 +350,14 @@ def test_the_product_form_is_stock_trls_sequence_truncate_and_sequence_mask(tok,
     # TRL's default clip_min=None: one-sided. It keeps (weight R < 1/M) what is_mask drops below 1/M, and its
     # normaliser (`mask` in compute_loss) counts every masked sequence's tokens; ours counts neither.
     _, _, ratio = trl_ratio(
-        tmp_path, tok, rows, completions, sampler, vllm_importance_sampling_mode="sequence_mask",
+        tmp_path,
+        tok,
+        rows,
+        completions,
+        sampler,
+        vllm_importance_sampling_mode="sequence_mask",
         vllm_importance_sampling_clip_max=M,
-    )  # fmt: skip
+    )
     low = torch.tensor(targets) < -math.log(M)
     assert low.any() and (ratio[low, 0] > 0).all() and not keep[low].any()
     assert torch.equal(ratio[~low, 0] > 0, keep[~low, 0])
@@ -313,24 +371,37 @@ def test_the_sequence_forms_are_verls_rollout_correction(level, option):
     """verl's own functions on the same log-probs: rollout_is="sequence" (threshold C) is the product form's TIS
     weight, and rollout_rs=seq_sum_k1 / seq_mean_k1 (threshold M) its MIS / Geo-RS mask. Runs where verl is installed
     (.venv-verl/bin/python -m pytest tests/test_sequence_is.py -k verl)."""
-    pytest.importorskip("verl")
+    needs("verl", "verl")
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights, compute_rollout_rejection_mask
 
-    logp, blogp, clogp, _, adv, mask = batch(seed=3)
+    logp, alpha_logp, pi_k_logp, _, adv, mask = batch(seed=3)
     mask[0, 0] = 1  # verl wants every sequence to have a valid token
     cap, mis = CAP[level], BAND[level]
-    terms = surrogate_per_token(
-        clogp, blogp, clogp, torch.ones_like(adv), clip_center="decoupled", is_cap=cap, is_mask=mis, is_level=level,
-        completion_mask=mask,
-    )  # fmt: skip
-    rs_mask, _ = compute_rollout_rejection_mask(clogp - blogp, mask.double(), option, mis)
+    terms = corrected_surrogate(
+        pi_k_logp,
+        alpha_logp,
+        pi_k_logp,
+        torch.ones_like(adv),
+        clip_center="decoupled",
+        is_cap=cap,
+        is_mask=mis,
+        is_level=level,
+        loss_mask=mask,
+    )
+    rs_mask, _ = compute_rollout_rejection_mask(pi_k_logp - alpha_logp, mask.double(), option, mis)
     assert torch.equal(rs_mask.bool(), terms.keep & mask.bool()) and 0 < rs_mask.sum() < mask.sum()
     if level == "sequence":  # verl has no geometric-mean weight
-        weights, _ = compute_rollout_correction_weights(clogp - blogp, mask.double(), "sequence", cap)
-        w = surrogate_per_token(
-            clogp, blogp, clogp, torch.ones_like(adv), clip_center="decoupled", is_cap=cap, is_level=level,
-            completion_mask=mask,
-        ).objective  # fmt: skip
+        weights, _ = compute_rollout_correction_weights(pi_k_logp - alpha_logp, mask.double(), "sequence", cap)
+        w = corrected_surrogate(
+            pi_k_logp,
+            alpha_logp,
+            pi_k_logp,
+            torch.ones_like(adv),
+            clip_center="decoupled",
+            is_cap=cap,
+            is_level=level,
+            loss_mask=mask,
+        ).objective
         torch.testing.assert_close((w * mask)[1:], weights[1:], rtol=1e-12, atol=1e-12)
         # Sequence 0 is one token with log rho' ~ -300: verl clamps the log-ratio at -20 (its SAFETY_BOUND), we don't.
         assert weights[0, 0].item() == pytest.approx(math.exp(-20.0)) and w[0, 0] < 1e-100
@@ -346,9 +417,25 @@ def test_train_py_runs_a_stale_step_with_geometric_mis_and_refuses_a_level_witho
     import train
     from conftest import TEST_WARMUP
 
-    base = ["--steps", "4", "--offpolicy-steps", "4", "--prompts-per-step", "4", "--group-size", "4",
-            "--eval-size", "10", "--warmup-steps", str(TEST_WARMUP), "--cache-dir", warm_cache, "--no-progress",
-            "--lr", "1e-3"]  # fmt: skip
+    base = [
+        "--steps",
+        "4",
+        "--offpolicy-steps",
+        "4",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--eval-size",
+        "10",
+        "--warmup-steps",
+        str(TEST_WARMUP),
+        "--cache-dir",
+        warm_cache,
+        "--no-progress",
+        "--lr",
+        "1e-3",
+    ]
     out = tmp_path / "geo"
     args = ["--clip-center", "decoupled", "--is-mask", "1.001", "--is-level", "geometric", "--out", str(out)]
     assert train.main(base + args) == 0

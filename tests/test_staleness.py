@@ -7,19 +7,14 @@ import math
 import pytest
 import torch
 
-from objective import (
-    aggregation_total,
-    kl_penalty,
-    mis_keep_mask,
-    policy_loss,
-    sampler_mismatch_stats,
-)
+from corrections import corrected_policy_loss, mis_keep_mask, sampler_mismatch_stats
+from objective import aggregation_total, kl_penalty
 from reinforce import rec_loss
 
 EPS_LO, EPS_HI, MAX_NEW = 0.2, 0.28, 7
 
 
-def loop_loss(logp, blogp, clogp, rlogp, adv, mask, *, center, agg, beta, kl_estimator, is_cap, is_mask):
+def loop_loss(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, *, center, agg, beta, kl_estimator, is_cap, is_mask):
     """The objective of policy_loss's docstring, token by token in Python floats.
 
     Returns (loss, number of valid tokens MIS dropped, number of valid tokens TIS capped)."""
@@ -30,27 +25,27 @@ def loop_loss(logp, blogp, clogp, rlogp, adv, mask, *, center, agg, beta, kl_est
         for j in range(t):
             if not mask[i][j]:
                 continue
-            rho_p = 1.0 if clogp is None else math.exp(clogp[i][j] - blogp[i][j])
+            rho_p = 1.0 if pi_k_logp is None else math.exp(pi_k_logp[i][j] - alpha_logp[i][j])
             if is_mask is not None and not (1.0 / is_mask <= rho_p <= is_mask):
                 # MIS: the token leaves the sum and every count below.
                 dropped += 1
                 continue
             a = adv[i]
             if center == "decoupled":
-                log_pi_k = blogp[i][j] if clogp is None else clogp[i][j]
-                r = math.exp(logp[i][j] - log_pi_k)
+                pi_k_t = alpha_logp[i][j] if pi_k_logp is None else pi_k_logp[i][j]
+                r = math.exp(logp[i][j] - pi_k_t)
                 w = rho_p if is_cap is None else min(rho_p, is_cap)
                 capped += is_cap is not None and rho_p > is_cap
                 s = w * min(r * a, min(max(r, 1 - EPS_LO), 1 + EPS_HI) * a)
             else:
-                rho = math.exp(logp[i][j] - blogp[i][j])
-                if center == "current":
+                rho = math.exp(logp[i][j] - alpha_logp[i][j])
+                if center == "pi_k":
                     lo, hi = max(rho_p - EPS_LO, 0.0), rho_p + EPS_HI
                 else:
                     lo, hi = 1 - EPS_LO, 1 + EPS_HI
                 s = min(rho * a, min(max(rho, lo), hi) * a)
-            if rlogp is not None:
-                d = logp[i][j] - rlogp[i][j]
+            if ref_logp is not None:
+                d = logp[i][j] - ref_logp[i][j]
                 s -= beta * {"k1": d, "k2": 0.5 * d * d, "k3": math.exp(-d) + d - 1}[kl_estimator]
             terms.append(s)
         all_terms += terms
@@ -69,16 +64,16 @@ def random_batch(seed, n=6, t=5, spread=0.4):
     """float64 log-probs of a stale step; row 0 fully masked, row 1 so stale that MIS drops all of it."""
     g = torch.Generator().manual_seed(seed)
     logp = -torch.rand(n, t, generator=g, dtype=torch.float64) * 2  # (N, T)
-    blogp = logp + (torch.rand(n, t, generator=g, dtype=torch.float64) - 0.5) * 2 * spread  # (N, T)
-    clogp = logp + (torch.rand(n, t, generator=g, dtype=torch.float64) - 0.5) * 2 * spread  # (N, T)
-    rlogp = logp + (torch.rand(n, t, generator=g, dtype=torch.float64) - 0.5)  # (N, T)
+    alpha_logp = logp + (torch.rand(n, t, generator=g, dtype=torch.float64) - 0.5) * 2 * spread  # (N, T)
+    pi_k_logp = logp + (torch.rand(n, t, generator=g, dtype=torch.float64) - 0.5) * 2 * spread  # (N, T)
+    ref_logp = logp + (torch.rand(n, t, generator=g, dtype=torch.float64) - 0.5)  # (N, T)
     adv = torch.randn(n, generator=g, dtype=torch.float64)  # (N,)
     mask = (torch.rand(n, t, generator=g) > 0.3).long()  # (N, T)
     mask[0] = 0
     mask[1, :2] = 1
     # rho' = e^2 on every token of row 1.
-    clogp[1] = blogp[1] + 2.0
-    return logp, blogp, clogp, rlogp, adv, mask
+    pi_k_logp[1] = alpha_logp[1] + 2.0
+    return logp, alpha_logp, pi_k_logp, ref_logp, adv, mask
 
 
 # (is_mask, is_cap for the decoupled centre, kl_estimator, beta, seed offset)
@@ -89,26 +84,26 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("center,seed_c", [("current", 100), ("behaviour", 200), ("decoupled", 300)])
+@pytest.mark.parametrize("center,seed_c", [("pi_k", 100), ("alpha", 200), ("decoupled", 300)])
 @pytest.mark.parametrize("agg,seed_a", [("token-mean", 0), ("seq-mean", 10), ("constant", 20)])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_policy_loss_matches_loop_value_and_gradient(center, seed_c, agg, seed_a, variant):
     is_mask, is_cap, kl_estimator, beta, seed_v = VARIANTS[variant]
     is_cap = is_cap if center == "decoupled" else None
-    logp, blogp, clogp, rlogp, adv, mask = random_batch(seed_c + seed_a + seed_v, n=10, t=6, spread=0.5)
+    logp, alpha_logp, pi_k_logp, ref_logp, adv, mask = random_batch(seed_c + seed_a + seed_v, n=10, t=6, spread=0.5)
     kw = dict(clip_eps=EPS_LO, clip_eps_high=EPS_HI, clip_center=center, beta=beta, agg=agg, max_new_tokens=MAX_NEW)
     x = logp.clone().requires_grad_(True)
-    loss, stats = policy_loss(
-        x, blogp, clogp, rlogp, adv, mask, **kw, is_cap=is_cap, is_mask=is_mask, kl_estimator=kl_estimator
+    loss, stats = corrected_policy_loss(
+        x, alpha_logp, pi_k_logp, ref_logp, adv, mask, **kw, is_cap=is_cap, is_mask=is_mask, kl_estimator=kl_estimator
     )
     loss.backward()
 
     def loop(lp):
         return loop_loss(
             lp,
-            blogp.tolist(),
-            clogp.tolist(),
-            rlogp.tolist(),
+            alpha_logp.tolist(),
+            pi_k_logp.tolist(),
+            ref_logp.tolist(),
             adv.tolist(),
             mask.tolist(),
             center=center,
@@ -132,7 +127,7 @@ def test_policy_loss_matches_loop_value_and_gradient(center, seed_c, agg, seed_a
             assert x.grad[i, j].item() == pytest.approx(fd, abs=1e-6), (i, j)
     n_valid = mask.sum().item()
     assert stats["tokens"] == n_valid
-    mismatch = sampler_mismatch_stats(blogp, clogp, mask, is_cap=is_cap, is_mask=is_mask)
+    mismatch = sampler_mismatch_stats(alpha_logp, pi_k_logp, mask, is_cap=is_cap, is_mask=is_mask)
     assert mismatch["is_masked_frac"] == pytest.approx(dropped / n_valid)
     assert mismatch["is_capped_frac"] == pytest.approx(capped / n_valid)
     # The case exercises what it claims to: MIS drops, TIS caps, the clip acts somewhere.
@@ -145,53 +140,64 @@ def test_mis_drops_tokens_from_the_sum_and_the_normaliser():
     # rho' = 1, 1, 3, 1/3 | 3, 3 with is_mask = 2: tokens 3, 4 and the whole second sequence leave.
     log_rho_p = torch.log(torch.tensor([[1.0, 1.0, 3.0, 1 / 3], [3.0, 3.0, 1.0, 1.0]], dtype=torch.float64))
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
-    blogp = torch.full((2, 4), -1.0, dtype=torch.float64)
-    clogp = blogp + log_rho_p
+    alpha_logp = torch.full((2, 4), -1.0, dtype=torch.float64)
+    pi_k_logp = alpha_logp + log_rho_p
     adv = torch.ones(2, dtype=torch.float64)
-    keep = mis_keep_mask(blogp, clogp, 2.0)
+    keep = mis_keep_mask(alpha_logp, pi_k_logp, 2.0)
     assert keep[mask > 0].tolist() == [True, True, False, False, False, False]
-    for center in ("current", "behaviour", "decoupled"):
+    for center in ("pi_k", "alpha", "decoupled"):
         # The kept tokens have rho' = 1 and rho = r = 1: each contributes o_t = A = 1.
         kw = dict(clip_center=center, is_mask=2.0, max_new_tokens=4)
-        assert policy_loss(blogp, blogp, clogp, None, adv, mask, agg="token-mean", **kw)[0].item() == -2 / 2
+        assert (
+            corrected_policy_loss(alpha_logp, alpha_logp, pi_k_logp, None, adv, mask, agg="token-mean", **kw)[0].item()
+            == -2 / 2
+        )
         # seq-mean: the second sequence has no kept token, so it leaves the count of sequences too.
-        assert policy_loss(blogp, blogp, clogp, None, adv, mask, agg="seq-mean", **kw)[0].item() == -1.0
+        assert (
+            corrected_policy_loss(alpha_logp, alpha_logp, pi_k_logp, None, adv, mask, agg="seq-mean", **kw)[0].item()
+            == -1.0
+        )
         # constant: N * max_new_tokens does not count tokens, so only the sum changes.
-        assert policy_loss(blogp, blogp, clogp, None, adv, mask, agg="constant", **kw)[0].item() == -2 / 8
-    stats = sampler_mismatch_stats(blogp, clogp, mask, is_mask=2.0)
+        assert (
+            corrected_policy_loss(alpha_logp, alpha_logp, pi_k_logp, None, adv, mask, agg="constant", **kw)[0].item()
+            == -2 / 8
+        )
+    stats = sampler_mismatch_stats(alpha_logp, pi_k_logp, mask, is_mask=2.0)
     assert stats["is_masked_frac"] == 4 / 6 and stats["is_capped_frac"] == 0.0
     # Without is_mask every token counts.
-    assert sampler_mismatch_stats(blogp, clogp, mask)["is_masked_frac"] == 0.0
+    assert sampler_mismatch_stats(alpha_logp, pi_k_logp, mask)["is_masked_frac"] == 0.0
 
 
 def test_tis_caps_the_weight_of_the_decoupled_objective():
     # r = 1 (pi_theta = pi_k): the gradient of each token is -w_t A / count, w = min(rho', C).
     rho_p = torch.tensor([[0.5, 1.5, 3.0, 8.0]], dtype=torch.float64)
-    clogp = torch.full((1, 4), -1.0, dtype=torch.float64)
-    blogp = clogp - torch.log(rho_p)
+    pi_k_logp = torch.full((1, 4), -1.0, dtype=torch.float64)
+    alpha_logp = pi_k_logp - torch.log(rho_p)
     adv = torch.tensor([2.0], dtype=torch.float64)
     mask = torch.ones(1, 4)
     for cap, w in ((None, [0.5, 1.5, 3.0, 8.0]), (2.0, [0.5, 1.5, 2.0, 2.0])):
-        x = clogp.clone().requires_grad_(True)
-        loss, _ = policy_loss(x, blogp, clogp, None, adv, mask, clip_center="decoupled", is_cap=cap)
+        x = pi_k_logp.clone().requires_grad_(True)
+        loss, _ = corrected_policy_loss(x, alpha_logp, pi_k_logp, None, adv, mask, clip_center="decoupled", is_cap=cap)
         loss.backward()
         torch.testing.assert_close(x.grad, -2.0 * torch.tensor([w], dtype=torch.float64) / 4)
         assert loss.item() == pytest.approx(-2.0 * sum(w) / 4)
-        assert sampler_mismatch_stats(blogp, clogp, mask, is_cap=cap)["is_capped_frac"] == (0.0 if cap is None else 0.5)
+        assert sampler_mismatch_stats(alpha_logp, pi_k_logp, mask, is_cap=cap)["is_capped_frac"] == (
+            0.0 if cap is None else 0.5
+        )
     # With MIS as well, a dropped token counts as dropped, not capped: rho' = 8 leaves, rho' = 3 is capped.
-    stats = sampler_mismatch_stats(blogp, clogp, mask, is_cap=2.0, is_mask=4.0)
+    stats = sampler_mismatch_stats(alpha_logp, pi_k_logp, mask, is_cap=2.0, is_mask=4.0)
     assert stats["is_capped_frac"] == 0.25 and stats["is_masked_frac"] == 0.25
 
 
 def test_decoupled_weight_is_a_constant_for_the_gradient():
     # log pi_k taken from the live forward without .detach() (step.py records logp.detach(); a caller may
     # not): the weight rho' must still carry no gradient, so passing x or x.detach() gives the same gradient.
-    logp, blogp, _, _, adv, mask = random_batch(5)
+    logp, alpha_logp, _, _, adv, mask = random_batch(5)
     grads = []
     for detach in (True, False):
         x = logp.clone().requires_grad_(True)
         cur = x.detach() if detach else x
-        policy_loss(x, blogp, cur, None, adv, mask, clip_center="decoupled", is_cap=1.3)[0].backward()
+        corrected_policy_loss(x, alpha_logp, cur, None, adv, mask, clip_center="decoupled", is_cap=1.3)[0].backward()
         grads.append(x.grad)
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
 
@@ -207,18 +213,25 @@ def test_kl_estimators_hand_computed():
         assert kl_penalty(logp, ref, est)[0, 0].item() == pytest.approx(value, rel=1e-12)
         # A = 0: the loss is beta * mean(kl_t).
         x = logp.clone().requires_grad_(True)
-        loss, stats = policy_loss(
-            x, x.detach(), None, ref, torch.zeros(1, dtype=torch.float64), torch.ones(1, 2), beta=0.1, kl_estimator=est
+        loss, stats = corrected_policy_loss(
+            x,
+            x.detach(),
+            x.detach(),
+            ref,
+            torch.zeros(1, dtype=torch.float64),
+            torch.ones(1, 2),
+            beta=0.1,
+            kl_estimator=est,
         )
         loss.backward()
         assert loss.item() == pytest.approx(0.1 * value, rel=1e-12) and stats["kl"] == pytest.approx(value)
         torch.testing.assert_close(x.grad, torch.full((1, 2), 0.1 * slope / 2, dtype=torch.float64))
     # k3 is the default.
-    assert policy_loss(logp, logp, None, ref, torch.zeros(1), torch.ones(1, 2), beta=0.1)[1]["kl"] == pytest.approx(
-        expected["k3"][0]
-    )
+    assert corrected_policy_loss(logp, logp, logp, ref, torch.zeros(1), torch.ones(1, 2), beta=0.1)[1][
+        "kl"
+    ] == pytest.approx(expected["k3"][0])
     with pytest.raises(ValueError, match="'k4'"):
-        policy_loss(logp, logp, None, ref, torch.zeros(1), torch.ones(1, 2), beta=0.1, kl_estimator="k4")
+        corrected_policy_loss(logp, logp, logp, ref, torch.zeros(1), torch.ones(1, 2), beta=0.1, kl_estimator="k4")
     with pytest.raises(ValueError, match="'k4'"):
         kl_penalty(logp, ref, "k4")
 
@@ -232,16 +245,16 @@ def test_identity_current_centre_is_a_decoupled_objective():
     log_rho_p = torch.rand(n, generator=g, dtype=torch.float64) * 5 - 3  # rho' from e^-3 to e^2
     log_r = (torch.rand(n, generator=g, dtype=torch.float64) - 0.5) * 1.2  # r from e^-0.6 to e^0.6
     adv = torch.randn(n, generator=g, dtype=torch.float64)
-    blogp = -torch.rand(n, generator=g, dtype=torch.float64) * 3
-    clogp, logp = blogp + log_rho_p, blogp + log_rho_p + log_r
+    alpha_logp = -torch.rand(n, generator=g, dtype=torch.float64) * 3
+    pi_k_logp, logp = alpha_logp + log_rho_p, alpha_logp + log_rho_p + log_r
     one = torch.ones(1, 1)
     clipped = 0
     for k in range(n):
         rho_p, a = math.exp(log_rho_p[k].item()), adv[k : k + 1]
-        b, c = blogp[k].view(1, 1), clogp[k].view(1, 1)
+        b, c = alpha_logp[k].view(1, 1), pi_k_logp[k].view(1, 1)
         # Left: [A]'s surrogate through policy_loss (one token: loss = -o_t).
         x = logp[k].view(1, 1).clone().requires_grad_(True)
-        left, st = policy_loss(x, b, c, None, a, one, clip_eps=EPS_LO, clip_eps_high=EPS_HI)
+        left, st = corrected_policy_loss(x, b, c, None, a, one, clip_eps=EPS_LO, clip_eps_high=EPS_HI)
         left.backward()
         clipped += st["clip_low"] + st["clip_high"] > 0
         # Right, written out: rho' * min(r A, clip(r, 1 - eps_lo/rho', 1 + eps_hi/rho') A).
@@ -251,7 +264,7 @@ def test_identity_current_centre_is_a_decoupled_objective():
         right.backward()
         # Right again, through the shipped decoupled centre with the rescaled widths.
         z = logp[k].view(1, 1).clone().requires_grad_(True)
-        dec, _ = policy_loss(
+        dec, _ = corrected_policy_loss(
             z, b, c, None, a, one, clip_center="decoupled", clip_eps=EPS_LO / rho_p, clip_eps_high=EPS_HI / rho_p
         )
         dec.backward()
@@ -284,14 +297,14 @@ def test_on_policy_all_five_corrections_give_the_reinforce_gradient(agg):
     w, logp_of, adv, mask = _linear_policy(31)
     kw = dict(agg=agg, max_new_tokens=MAX_NEW)
     corrections = {
-        "current": lambda lp: policy_loss(lp, lp.detach(), lp.detach(), None, adv, mask, **kw),
-        "behaviour": lambda lp: policy_loss(
-            lp, lp.detach(), lp.detach(), None, adv, mask, clip_center="behaviour", **kw
+        "pi_k": lambda lp: corrected_policy_loss(lp, lp.detach(), lp.detach(), None, adv, mask, **kw),
+        "alpha": lambda lp: corrected_policy_loss(
+            lp, lp.detach(), lp.detach(), None, adv, mask, clip_center="alpha", **kw
         ),
-        "decoupled": lambda lp: policy_loss(
+        "decoupled": lambda lp: corrected_policy_loss(
             lp, lp.detach(), lp.detach(), None, adv, mask, clip_center="decoupled", **kw
         ),
-        "decoupled+tis": lambda lp: policy_loss(
+        "decoupled+tis": lambda lp: corrected_policy_loss(
             lp, lp.detach(), lp.detach(), None, adv, mask, clip_center="decoupled", is_cap=2.0, **kw
         ),
         "rec": lambda lp: rec_loss(lp, lp.detach(), adv, mask, **kw),
@@ -320,22 +333,22 @@ def test_one_stale_inner_step_current_equals_uncapped_decoupled():
     alpha = pi_k - torch.randn(pi_k.shape, generator=g, dtype=torch.float64)  # (N, T) rho' = e^N(0,1)
 
     def grad(**kw):
-        return torch.autograd.grad(policy_loss(logp_of(w), alpha, pi_k, None, adv, mask, **kw)[0], w)[0]
+        return torch.autograd.grad(corrected_policy_loss(logp_of(w), alpha, pi_k, None, adv, mask, **kw)[0], w)[0]
 
-    torch.testing.assert_close(grad(clip_center="decoupled"), grad(clip_center="current"), rtol=1e-12, atol=1e-14)
-    assert (grad(clip_center="decoupled", is_cap=2.0) - grad(clip_center="current")).abs().max() > 1e-3
+    torch.testing.assert_close(grad(clip_center="decoupled"), grad(clip_center="pi_k"), rtol=1e-12, atol=1e-14)
+    assert (grad(clip_center="decoupled", is_cap=2.0) - grad(clip_center="pi_k")).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "constant"])
-@pytest.mark.parametrize("center,is_cap", [("current", None), ("behaviour", None), ("decoupled", 1.2)])
+@pytest.mark.parametrize("center,is_cap", [("pi_k", None), ("alpha", None), ("decoupled", 1.2)])
 def test_micro_batches_with_mis_add_up_to_the_whole_step(agg, center, is_cap):
-    logp, blogp, clogp, rlogp, adv, mask = random_batch(71, n=8)
+    logp, alpha_logp, pi_k_logp, ref_logp, adv, mask = random_batch(71, n=8)
     kw = dict(clip_center=center, is_cap=is_cap, is_mask=1.5, beta=0.1, agg=agg, max_new_tokens=MAX_NEW)
     x = logp.clone().requires_grad_(True)
-    whole, _ = policy_loss(x, blogp, clogp, rlogp, adv, mask, **kw)
+    whole, _ = corrected_policy_loss(x, alpha_logp, pi_k_logp, ref_logp, adv, mask, **kw)
     whole.backward()
     # The caller folds MIS into the loss mask before taking the step's normaliser.
-    keep = mis_keep_mask(blogp, clogp, 1.5)
+    keep = mis_keep_mask(alpha_logp, pi_k_logp, 1.5)
     for total, should_match in (
         (aggregation_total(mask * keep, agg, MAX_NEW), True),
         (aggregation_total(mask, agg, MAX_NEW), agg == "constant"),
@@ -344,8 +357,8 @@ def test_micro_batches_with_mis_add_up_to_the_whole_step(agg, center, is_cap):
         parts = 0.0
         for s in range(0, 8, 3):
             rows = slice(s, s + 3)
-            part, _ = policy_loss(
-                y[rows], blogp[rows], clogp[rows], rlogp[rows], adv[rows], mask[rows], total=total, **kw
+            part, _ = corrected_policy_loss(
+                y[rows], alpha_logp[rows], pi_k_logp[rows], ref_logp[rows], adv[rows], mask[rows], total=total, **kw
             )
             part.backward()
             parts += part.item()
@@ -360,11 +373,11 @@ def test_micro_batches_with_mis_add_up_to_the_whole_step(agg, center, is_cap):
 def test_sampler_mismatch_stats_hand_computed():
     # rho' = 1, 2.5, 0.5, 4 on the valid tokens (a fifth, masked, token has rho' = 100).
     rho_p = torch.tensor([[1.0, 2.5, 0.5, 4.0, 100.0]], dtype=torch.float64)
-    blogp = torch.full((1, 5), -2.0, dtype=torch.float64)
-    clogp = blogp + torch.log(rho_p)
+    alpha_logp = torch.full((1, 5), -2.0, dtype=torch.float64)
+    pi_k_logp = alpha_logp + torch.log(rho_p)
     mask = torch.tensor([[1, 1, 1, 1, 0]])
     vals = [1.0, 2.5, 0.5, 4.0]
-    st = sampler_mismatch_stats(blogp, clogp, mask, is_cap=2.0, is_mask=3.0)
+    st = sampler_mismatch_stats(alpha_logp, pi_k_logp, mask, is_cap=2.0, is_mask=3.0)
     assert st["mismatch_kl_k1"] == pytest.approx(sum(-math.log(v) for v in vals) / 4)
     assert st["mismatch_kl_k3"] == pytest.approx(sum(v - 1 - math.log(v) for v in vals) / 4)
     assert st["rho_prime_mean"] == pytest.approx(2.0) and st["rho_prime_max"] == pytest.approx(4.0)
@@ -373,26 +386,26 @@ def test_sampler_mismatch_stats_hand_computed():
     # MIS drops rho' = 4 (outside [1/3, 3]); TIS caps rho' = 2.5 (the dropped 4 is not counted as capped).
     assert st["is_masked_frac"] == 0.25 and st["is_capped_frac"] == 0.25
     # policy_loss does not compute them (a step does, once): its statistics are pi_theta's.
-    _, ps = policy_loss(
-        clogp, blogp, clogp, None, torch.ones(1), mask, clip_center="decoupled", is_cap=2.0, is_mask=3.0
+    _, ps = corrected_policy_loss(
+        pi_k_logp, alpha_logp, pi_k_logp, None, torch.ones(1), mask, clip_center="decoupled", is_cap=2.0, is_mask=3.0
     )
-    assert set(ps) == {"clip_low", "clip_high", "kl", "ratio_mean", "tokens"}
-    # Without a cap or a mask the fractions are 0; a refreshed sampler (current_logp=None) shows no mismatch.
-    st = sampler_mismatch_stats(blogp, clogp, mask)
+    assert set(ps) == {"clip_low", "clip_high", "kl", "rho_mean", "tokens"}
+    # Without a cap or a mask the fractions are 0; a refreshed sampler (pi_k = alpha) shows no mismatch.
+    st = sampler_mismatch_stats(alpha_logp, pi_k_logp, mask)
     assert st["is_masked_frac"] == 0.0 and st["is_capped_frac"] == 0.0
-    st = sampler_mismatch_stats(blogp, None, mask, is_mask=3.0)
+    st = sampler_mismatch_stats(alpha_logp, alpha_logp, mask, is_mask=3.0)
     assert st["mismatch_kl_k1"] == 0.0 and st["mismatch_kl_k3"] == 0.0 and st["rho_prime_p99"] == 1.0
     assert st["is_masked_frac"] == 0.0
 
 
 def test_invalid_arguments_raise():
-    logp, blogp, clogp, _, adv, mask = random_batch(3)
-    for center in ("current", "behaviour"):
+    logp, alpha_logp, pi_k_logp, _, adv, mask = random_batch(3)
+    for center in ("pi_k", "alpha"):
         with pytest.raises(ValueError, match="is_cap"):
-            policy_loss(logp, blogp, clogp, None, adv, mask, clip_center=center, is_cap=2.0)
+            corrected_policy_loss(logp, alpha_logp, pi_k_logp, None, adv, mask, clip_center=center, is_cap=2.0)
     with pytest.raises(ValueError, match="is_cap"):
-        policy_loss(logp, blogp, clogp, None, adv, mask, clip_center="decoupled", is_cap=0.0)
+        corrected_policy_loss(logp, alpha_logp, pi_k_logp, None, adv, mask, clip_center="decoupled", is_cap=0.0)
     with pytest.raises(ValueError, match="is_mask"):
-        policy_loss(logp, blogp, clogp, None, adv, mask, is_mask=0.5)
+        corrected_policy_loss(logp, alpha_logp, pi_k_logp, None, adv, mask, is_mask=0.5)
     with pytest.raises(ValueError, match="'centre'"):
-        policy_loss(logp, blogp, clogp, None, adv, mask, clip_center="centre")
+        corrected_policy_loss(logp, alpha_logp, pi_k_logp, None, adv, mask, clip_center="centre")

@@ -1,5 +1,6 @@
 """train.py: the update's gradient identities, the sampler refresh schedule, end-to-end runs."""
 
+import dataclasses
 import importlib.util
 import json
 import random
@@ -15,7 +16,7 @@ import train
 from advantage import group_advantages
 from config import Config, resolve
 from conftest import ROOT, TEST_WARMUP, shared_data
-from logprobs import token_logprobs
+from logprobs import chunked_token_logprobs
 from rollout import generate
 from tasks import Problem, encode_prompts, load_task
 
@@ -55,12 +56,19 @@ def make_batch(model, tok, seed=0, group=4, temperature=1.0):
     rewards[:group] = 1.0  # one all-equal group: masked out
     adv, valid = group_advantages(rewards, group)
     return step.Batch(
-        ro.input_ids,
-        ro.attention_mask,
-        ro.completion_mask,
+        input_ids=ro.input_ids,
+        attention_mask=ro.attention_mask,
+        completion_mask=ro.completion_mask,
         loss_mask=ro.completion_mask * valid[:, None],
         advantages=adv,
+        alpha_logp=ro.alpha_logp,
+        alpha_is_pi_k=True,  # a refresh step: alpha is pi_k
     )
+
+
+def stale(batch: step.Batch, alpha_logp: torch.Tensor) -> step.Batch:
+    """The batch as a stale step sees it: sampled by an alpha whose log-probs are `alpha_logp`, not pi_k."""
+    return dataclasses.replace(batch, alpha_logp=alpha_logp, alpha_is_pi_k=False)
 
 
 def cfg_for(**kw):
@@ -73,11 +81,9 @@ def test_on_policy_gradient_is_group_baseline_reinforce(model, tok):
     # grad = -(1/|tokens|) sum_i A_i sum_t grad log pi(y_t): REINFORCE with the group baseline.
     batch = make_batch(model, tok)
     opt = RecordingOptimizer(model.parameters())
-    step.update(
-        cfg_for(clip_eps=0.0), model, opt, batch, behaviour_logp=None, ref_logp=None
-    )  # eps 0: clip as tight as it gets
+    step.update(cfg_for(clip_eps=0.0), model, opt, batch, ref_logp=None)  # eps 0: clip as tight as it gets
     mask = batch.loss_mask
-    logp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
+    logp = chunked_token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
     model.zero_grad()
     (-(batch.advantages[:, None] * logp * mask).sum() / mask.sum()).backward()
     reinforce = torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -102,14 +108,14 @@ def test_reward_shuffle_deals_the_same_rewards_to_random_samples():
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "constant"])
 def test_micro_batched_gradient_equals_whole_batch(model, tok, agg):
     batch = make_batch(model, tok, seed=1)
-    with torch.no_grad():  # a stale step with KL: behaviour and reference log-probs differ from pi_k
+    with torch.no_grad():  # a stale step with KL: alpha and reference log-probs differ from pi_k
         noise = 0.3 * torch.randn(batch.completion_mask.shape, generator=torch.Generator().manual_seed(0))
-        lp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
-        behaviour, ref = lp + noise, lp - noise
+        lp = chunked_token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
+        alpha_logp, ref = lp + noise, lp - noise
     grads = []
     for mb in (None, 4, 2):
         opt = RecordingOptimizer(model.parameters())
-        step.update(cfg_for(micro_batch=mb, agg=agg, beta=0.1), model, opt, batch, behaviour, ref)
+        step.update(cfg_for(micro_batch=mb, agg=agg, beta=0.1), model, opt, stale(batch, alpha_logp), ref)
         grads.append(opt.grads[0])
     assert grads[0].abs().max() > 0
     assert torch.allclose(grads[1], grads[0], atol=1e-6, rtol=1e-4)
@@ -117,29 +123,31 @@ def test_micro_batched_gradient_equals_whole_batch(model, tok, agg):
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "constant"])
-@pytest.mark.parametrize("center, is_cap", [("current", None), ("decoupled", 1.2)])
+@pytest.mark.parametrize("center, is_cap", [("pi_k", None), ("decoupled", 1.2)])
 def test_mis_on_a_stale_step_micro_batched_equals_policy_loss_on_the_whole_batch(model, tok, agg, center, is_cap):
     # MIS's normaliser depends on log pi_k, which update() records during its first epoch: the gradient
     # of every micro-batching must still be objective.policy_loss's on the whole batch.
-    from objective import aggregation_total, mis_keep_mask, policy_loss
+    from corrections import corrected_policy_loss, mis_keep_mask
+    from objective import aggregation_total
 
     batch = make_batch(model, tok, seed=3)
     noise = 0.4 * torch.randn(batch.completion_mask.shape, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        lp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
-    behaviour = lp + noise  # (N, T) a stale sampler: rho' = exp(-noise)
-    keep = mis_keep_mask(behaviour, lp, 1.3)
+        lp = chunked_token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
+    alpha_logp = lp + noise  # (N, T) a stale sampler: rho' = exp(-noise)
+    keep = mis_keep_mask(alpha_logp, lp, 1.3)
     assert (batch.loss_mask.bool() & ~keep).any() and (batch.loss_mask.bool() & keep).any()  # MIS drops some
     model.zero_grad()
-    logp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
+    logp = chunked_token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
     kw = dict(clip_center=center, is_cap=is_cap, is_mask=1.3, agg=agg, max_new_tokens=5)
     total = aggregation_total(batch.loss_mask * keep, agg, 5)
-    policy_loss(logp, behaviour, lp, None, batch.advantages, batch.loss_mask, total=total, **kw)[0].backward()
+    A, loss_mask = batch.advantages, batch.loss_mask
+    corrected_policy_loss(logp, alpha_logp, lp, None, A, loss_mask, total=total, **kw)[0].backward()
     expected = torch.cat([p.grad.flatten() for p in model.parameters()]).clone()
     for mb in (None, 4, 2):
         opt = RecordingOptimizer(model.parameters())
         cfg = cfg_for(micro_batch=mb, agg=agg, clip_center=center, is_cap=is_cap, is_mask=1.3, max_new_tokens=5)
-        stats, _ = step.update(cfg, model, opt, batch, behaviour, None)
+        stats, _ = step.update(cfg, model, opt, stale(batch, alpha_logp), None)
         assert torch.allclose(opt.grads[0], expected, atol=1e-6, rtol=1e-4), mb
         assert stats["is_masked_frac"] > 0 and (stats["is_capped_frac"] > 0) == (is_cap is not None)
 
@@ -147,21 +155,33 @@ def test_mis_on_a_stale_step_micro_batched_equals_policy_loss_on_the_whole_batch
 def test_pi_k_is_recorded_from_the_first_inner_epoch(model, tok):
     batch = make_batch(model, tok, seed=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    expected = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0).detach()
-    _, pi_k_logp = step.update(cfg_for(inner_steps=3, micro_batch=4), model, opt, batch, None, None)
+    expected = chunked_token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0).detach()
+    _, pi_k_logp = step.update(cfg_for(inner_steps=3, micro_batch=4), model, opt, batch, None)
     assert torch.allclose(pi_k_logp, expected, atol=1e-6)  # recorded before the weights moved
-    after = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
+    after = chunked_token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
     assert not torch.allclose(after, expected, atol=1e-3)  # and the weights did move
 
 
 def small_cfg(warm_cache, tmp_path, **kw):
-    base = dict(steps=7, prompts_per_step=4, group_size=4, lr=1e-3, eval_size=8, eval_every=0, progress=False,
-                warmup_steps=TEST_WARMUP, cache_dir=warm_cache, out=str(tmp_path))  # fmt: skip
+    base = dict(
+        steps=7,
+        prompts_per_step=4,
+        group_size=4,
+        lr=1e-3,
+        eval_size=8,
+        eval_every=0,
+        progress=False,
+        warmup_steps=TEST_WARMUP,
+        cache_dir=warm_cache,
+        out=str(tmp_path),
+    )
     return resolve(Config(**{**base, **kw}))
 
 
-@pytest.mark.parametrize("v,alpha_logp", [(1, "recompute"), (3, "recompute"), (3, "sampler")])
-def test_a_refresh_samples_its_whole_cycle_from_the_live_policy(warm_cache, tmp_path, monkeypatch, tok, v, alpha_logp):
+@pytest.mark.parametrize("v,alpha_logp_from", [(1, "recompute"), (3, "recompute"), (3, "sampler")])
+def test_a_refresh_samples_its_whole_cycle_from_the_live_policy(
+    warm_cache, tmp_path, monkeypatch, tok, v, alpha_logp_from
+):
     """Every v steps the live policy (no copy of it exists) samples the next v steps' batches in one call, of
     the prompts those steps would have drawn; a later batch's log alpha is that policy's (recompute) or the
     sampler's own (sampler), and the update of step k + j sees exactly that batch."""
@@ -174,9 +194,9 @@ def test_a_refresh_samples_its_whole_cycle_from_the_live_policy(warm_cache, tmp_
         calls.append((model is holder["policy"], flat(model), [p for p, _ in prompts], out))
         return out
 
-    def update_spy(cfg, policy, opt, batch, behaviour_logp, ref_logp):
-        updates.append((batch.input_ids.clone(), behaviour_logp))
-        return real_update(cfg, policy, opt, batch, behaviour_logp, ref_logp)
+    def update_spy(cfg, policy, opt, batch, ref_logp):
+        updates.append((batch.input_ids.clone(), None if batch.alpha_is_pi_k else batch.alpha_logp))
+        return real_update(cfg, policy, opt, batch, ref_logp)
 
     def load_spy(*a, **kw):
         holder["policy"], t = real_load(*a, **kw)
@@ -187,7 +207,7 @@ def test_a_refresh_samples_its_whole_cycle_from_the_live_policy(warm_cache, tmp_
     coin = random.Random(0)
     monkeypatch.setattr(train, "math_reward", lambda c, g: float(coin.random() < 0.5))  # every step has signal
     monkeypatch.setattr(train, "load_policy", load_spy)
-    train.train(small_cfg(warm_cache, tmp_path, offpolicy_steps=v, alpha_logp=alpha_logp))
+    train.train(small_cfg(warm_cache, tmp_path, offpolicy_steps=v, alpha_logp_from=alpha_logp_from))
     assert len(calls) == -(-7 // v) and len(updates) == 7  # one sampling call per cycle, an update per step
     assert all(live for live, *_ in calls) and step.Models.__dataclass_fields__.keys() == {"policy", "opt", "ref"}
     assert all(len(prompts) == min(v, 7 - v * c) for c, (_, _, prompts, _) in enumerate(calls))
@@ -198,19 +218,21 @@ def test_a_refresh_samples_its_whole_cycle_from_the_live_policy(warm_cache, tmp_
     drawn = [encode_prompts(tok, stream.next(4), "cpu")[0] for _ in range(7)]
     sampled = [p for *_, prompts, _ in calls for p in prompts]
     assert len(sampled) == 7 and all(torch.equal(a, b) for a, b in zip(sampled, drawn))
-    for k, (ids, behaviour) in enumerate(updates):
+    for k, (ids, alpha_logp) in enumerate(updates):
         ro = calls[k // v][3][k % v]
         assert torch.equal(ids, ro.input_ids)  # step k trains on its own batch of the cycle
-        if k % v == 0 and alpha_logp == "recompute":
-            assert behaviour is None  # alpha = pi_k: the update's first epoch gives it
-        elif alpha_logp == "sampler":
-            assert torch.equal(behaviour, ro.sampler_logp)
+        if k % v == 0 and alpha_logp_from == "recompute":
+            assert alpha_logp is None  # alpha = pi_k: the update's first epoch gives it
+        elif alpha_logp_from == "sampler":
+            assert torch.equal(alpha_logp, ro.alpha_logp)
         else:
             with torch.no_grad():  # the policy at the refresh: the weights that sampled this cycle
                 policy = train.load_policy(small_cfg(warm_cache, tmp_path))[0]
                 torch.nn.utils.vector_to_parameters(calls[k // v][1], policy.parameters())
-                expected = token_logprobs(policy.eval(), ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)
-            assert torch.equal(behaviour, expected)
+                expected = chunked_token_logprobs(
+                    policy.eval(), ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0
+                )
+            assert torch.equal(alpha_logp, expected)
 
 
 def run_cli(*args, timeout=600):
@@ -301,14 +323,18 @@ def test_real_model_path_offline(tmp_path):
     assert reloaded.config.num_hidden_layers == 2
 
 
-def test_readme_flag_table_lists_every_config_field():
-    # The README's flag table is the user's reference: a Config field missing there is a defect.
+def test_help_and_the_flags_page_list_every_config_field_and_no_other():
+    # `python train.py --help` is the reference; docs/flags.md groups the same flags for reading. A Config field
+    # missing from either, or a flag there that no longer exists, is a defect.
+    import re
     from dataclasses import fields
 
-    readme = (ROOT / "README.md").read_text()
-    for f in fields(Config):
-        flag = f"--{'no-' if f.default is True else ''}{f.name.replace('_', '-')}"
-        assert f"| `{flag}` |" in readme, flag
+    help_text = train.build_parser().format_help()
+    documented = set(re.findall(r"^\| `(--[\w-]+)` \|", (ROOT / "docs" / "flags.md").read_text(), flags=re.M))
+    flags = {f"--{'no-' if f.default is True else ''}{f.name.replace('_', '-')}" for f in fields(Config)}
+    assert documented == flags
+    for flag in flags:
+        assert re.search(rf"{flag}\b", help_text), flag
 
 
 def test_a_step_without_signal_still_measures_the_sampler(warm_cache, tmp_path, monkeypatch):

@@ -8,7 +8,9 @@ gradients and the policy's moves that the tests look at are not zero).
 
 import pytest
 
-pytest.importorskip("trl")
+from conftest import needs
+
+needs("trl", "trl")
 # Trains or decodes a model: CI runs these again under ATEN_CPU_CAPABILITY=default (plain kernels).
 pytestmark = pytest.mark.model
 
@@ -16,11 +18,12 @@ import torch  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 from trl_testing import G, make_trainer, noisy, rows, save_policy, sequences  # noqa: E402
 
+import corrections  # noqa: E402
 import objective  # noqa: E402
 from advantage import group_advantages  # noqa: E402
 from integrations import trl_grpo  # noqa: E402
 from integrations.trl_grpo import OffPolicyGRPOConfig, checksum  # noqa: E402
-from logprobs import token_logprobs  # noqa: E402
+from logprobs import chunked_token_logprobs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,7 @@ def policy_dir(warm_cache, tmp_path_factory):
 
 @pytest.mark.parametrize("loss_type, bias_kl", [("dapo", False), ("grpo", False), ("dr_grpo", False), ("dapo", True)])
 def test_parity_with_stock_trl(policy_dir, tmp_path, loss_type, bias_kl):
-    """v=1, behaviour centre, masking off, beta 0.04: loss and gradient equal stock GRPOTrainer's on the same inputs,
+    """v=1, the alpha centre, masking off, beta 0.04: loss and gradient equal stock GRPOTrainer's on the same inputs,
     over two accumulated micro-batches (so the step's normaliser is exercised, not only one micro-batch's); with
     use_bias_correction_kl (TRL's default) kl_t is multiplied by pi_theta/pi_old in both."""
     kw = dict(
@@ -41,7 +44,7 @@ def test_parity_with_stock_trl(policy_dir, tmp_path, loss_type, bias_kl):
         use_bias_correction_kl=bias_kl,
     )
     ours = make_trainer(
-        policy_dir, tmp_path / "ours", offpolicy_steps=1, clip_center="behaviour", mask_zero_std=False, **kw
+        policy_dir, tmp_path / "ours", offpolicy_steps=1, clip_center="alpha", mask_zero_std=False, **kw
     )
     stock = make_trainer(policy_dir, tmp_path / "stock", cls=GRPOTrainer, **kw)
     ours.model.train()
@@ -75,7 +78,7 @@ def test_parity_with_stock_trl(policy_dir, tmp_path, loss_type, bias_kl):
 
 
 def test_offpolicy_loss_is_objective_policy_loss(policy_dir, tmp_path):
-    """v > 1, current centre: log alpha is TRL's old_per_token_logps, log pi_k the forward detached, and the loss
+    """v > 1, the pi_k centre: log alpha is TRL's old_per_token_logps, log pi_k the forward detached, and the loss
     equals objective.policy_loss on the same tensors, with log-probs from logprobs.token_logprobs, advantages from
     advantage.group_advantages and an independent normaliser."""
     trainer = make_trainer(policy_dir, tmp_path, offpolicy_steps=3, beta=0.04, use_bias_correction_kl=False)
@@ -87,14 +90,14 @@ def test_offpolicy_loss_is_objective_policy_loss(policy_dir, tmp_path):
     adv, valid = group_advantages(trainer._rewards.sum(dim=1), G)
     assert torch.equal(batch["advantages"], adv) and not valid.all() and valid.any()
     loss = trainer.compute_loss(trainer.model, batch)
-    logp = token_logprobs(trainer.model, *sequences(batch), cmask, 1.0)
+    logp = chunked_token_logprobs(trainer.model, *sequences(batch), cmask, 1.0)
     mask = cmask * valid.unsqueeze(1)
     old, ref = batch["old_per_token_logps"], batch["ref_per_token_logps"]
     total = objective.aggregation_total(mask, "token-mean")
     expected, st = objective.policy_loss(
-        logp, old, logp.detach(), ref, adv, mask, clip_center="current", beta=0.04, total=total
+        logp, old, logp.detach(), ref, adv, mask, clip_center="pi_k", beta=0.04, total=total
     )
-    rho_prime_max = objective.sampler_mismatch_stats(old, logp.detach(), mask)["rho_prime_max"]
+    rho_prime_max = corrections.sampler_mismatch_stats(old, logp.detach(), mask)["rho_prime_max"]
     assert rho_prime_max > 1.5  # the two centres give different losses on these tensors
     assert abs(loss.item() - expected.item()) < 1e-5
 
@@ -121,7 +124,9 @@ class EngineStub:
             c = out[0, len(p) :].tolist()
             c = c[: c.index(1) + 1] if 1 in c else c  # up to EOS (id 1)
             ids = torch.tensor([p + c])
-            lp = token_logprobs(policy, ids, torch.ones_like(ids), torch.ones(1, len(c)), self.trainer.temperature)
+            lp = chunked_token_logprobs(
+                policy, ids, torch.ones_like(ids), torch.ones(1, len(c)), self.trainer.temperature
+            )
             completions.append(c)
             logprobs.append([[v - self.offset] for v in lp[0].tolist()])  # top-1 lists, as vLLM returns
         return prompts, completions, logprobs, None
@@ -134,7 +139,7 @@ def engine_trainer(policy_dir, out, offset: float, **kw):
     return trainer
 
 
-@pytest.mark.parametrize("clip_center", ["current", "behaviour"])
+@pytest.mark.parametrize("clip_center", ["pi_k", "alpha"])
 def test_vllm_weight_composes_with_rho_prime(policy_dir, tmp_path, clip_center):
     """An engine whose log-probs are c below the trainer's: TRL's default correction (sequence_mask, C_max 3) weighs
     each sequence by w = exp(c * its length), and the loss is objective.policy_loss with A -> w A, alpha the trainer's
@@ -149,7 +154,7 @@ def test_vllm_weight_composes_with_rho_prime(policy_dir, tmp_path, clip_center):
     trainer._set_step_normalisers([batch], group=1)
     loss = trainer.compute_loss(trainer.model, batch)
     rho_prime = trainer._metrics["train"]["offpolicy/rho_prime_mean"][-1]
-    logp = token_logprobs(trainer.model, *sequences(batch), cmask, 1.0)
+    logp = chunked_token_logprobs(trainer.model, *sequences(batch), cmask, 1.0)
     old, mask, adv = batch["old_per_token_logps"], batch["loss_mask"], batch["advantages"]
     total = objective.aggregation_total(mask, "token-mean")
     kw = dict(clip_center=clip_center, total=total)
@@ -182,8 +187,11 @@ def test_offpolicy_steps_maps_onto_trls_generation_fields(tmp_path):
     assert cfg.offpolicy_steps == 3
     cfg = OffPolicyGRPOConfig(**base, generation_batch_size=24, offpolicy_steps=3)
     assert cfg.steps_per_generation == 3
-    for bad in (dict(steps_per_generation=3, gradient_accumulation_steps=2), dict(steps_per_generation=2,
-                offpolicy_steps=3), dict(offpolicy_steps=0)):  # fmt: skip
+    for bad in (
+        dict(steps_per_generation=3, gradient_accumulation_steps=2),
+        dict(steps_per_generation=2, offpolicy_steps=3),
+        dict(offpolicy_steps=0),
+    ):
         with pytest.raises(ValueError, match="OffPolicyGRPOConfig"):
             OffPolicyGRPOConfig(**base, **bad)
 

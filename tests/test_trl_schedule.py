@@ -11,7 +11,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("trl")
+from conftest import needs
+
+needs("trl", "trl")
 # Trains or decodes a model: CI runs these again under ATEN_CPU_CAPABILITY=default (plain kernels).
 pytestmark = pytest.mark.model
 
@@ -22,7 +24,7 @@ from trl_testing import Recorder, make_trainer, rows, save_policy, sequences  # 
 from conftest import ROOT  # noqa: E402
 from integrations import trl_grpo  # noqa: E402
 from integrations.trl_grpo import checksum  # noqa: E402
-from logprobs import token_logprobs  # noqa: E402
+from logprobs import chunked_token_logprobs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +62,7 @@ def test_pi_k_with_num_iterations_is_the_slices_first_pass(policy_dir, tmp_path)
     for (_, slice_a, kept_a, now_a), (_, slice_b, kept_b, now_b) in zip(first, second):
         assert slice_a is slice_b and kept_a is None  # the same slice; first pass: pi_k from its own forward
         mask = slice_a["completion_mask"]
-        assert kept_b is slice_a["current_logps"] and gap(kept_b, now_a, mask) < 1e-5
+        assert kept_b is slice_a["pi_k_logps"] and gap(kept_b, now_a, mask) < 1e-5
         assert gap(now_b, now_a, mask) > 1e-4  # the policy moved between the passes
 
 
@@ -88,7 +90,7 @@ def test_lora_with_v_4_trains_only_the_adapter(policy_dir, tmp_path):
     """PEFT (LoRA on q_proj, v_proj), v=4, beta 0.04: the run generates every 4 steps from the adapted policy, only
     adapter weights move, the base is frozen and unchanged, and pi_ref is the adapter-disabled base (as in stock
     TRL): its log-probs equal the original model's while the adapted policy's differ."""
-    peft = pytest.importorskip("peft")
+    peft = needs("peft", "lora")
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     kw = dict(cls=Recorder, trainer_kw=dict(peft_config=lora), offpolicy_steps=4, max_steps=5, beta=0.04)
     trainer = make_trainer(policy_dir, tmp_path, learning_rate=1e-3, **kw)
@@ -105,8 +107,8 @@ def test_lora_with_v_4_trains_only_the_adapter(policy_dir, tmp_path):
     batch = trainer._generate_and_score_completions(rows(trainer, 4))
     base = AutoModelForCausalLM.from_pretrained(policy_dir)
     with torch.no_grad():
-        base_logp = token_logprobs(base, *sequences(batch), batch["completion_mask"], 1.0)
-        policy_logp = token_logprobs(trainer.model, *sequences(batch), batch["completion_mask"], 1.0)
+        base_logp = chunked_token_logprobs(base, *sequences(batch), batch["completion_mask"], 1.0)
+        policy_logp = chunked_token_logprobs(trainer.model, *sequences(batch), batch["completion_mask"], 1.0)
     mask = batch["completion_mask"]
     assert gap(batch["ref_per_token_logps"], base_logp, mask) < 1e-5
     assert gap(policy_logp, base_logp, mask) > 1e-3

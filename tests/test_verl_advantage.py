@@ -1,9 +1,9 @@
 """integrations/verl_grpo.py's advantage estimator `grpo_masked` against advantage.group_advantages and a plain
 loop, on verl's own tensors. Runs only where verl is installed (CI's .venv-verl); elsewhere it is skipped."""
 
-import pytest
+from conftest import needs
 
-pytest.importorskip("verl")
+needs("verl", "verl")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("verl")
+from conftest import needs
+
+needs("verl", "verl")
 
 import torch  # noqa: E402
 from verl import DataProto  # noqa: E402
@@ -25,6 +27,7 @@ from verl.trainer.ppo.core_algos import get_adv_estimator_fn, get_policy_loss_fn
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch  # noqa: E402
 from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
 
+import corrections  # noqa: E402
 import objective  # noqa: E402
 import reinforce  # noqa: E402
 from integrations import verl_grpo  # noqa: E402
@@ -92,7 +95,7 @@ def verl_call(name, log_prob, old, weights, adv, mask, mode, cfg):
     return loss.detach(), metrics, lp.grad
 
 
-def behaviour_logp(old, weights):
+def sampler_alpha_logp(old, weights):
     """log alpha = log pi_k - log rho'; on padding (weight 0) any finite value, it is masked out."""
     if weights is None:
         return old
@@ -136,14 +139,14 @@ def test_offpolicy_grpo_equals_objective_policy_loss(mode, seed):
     logp = log_prob.clone().requires_grad_(True)
     ref_loss, stats = policy_loss(
         logp,
-        behaviour_logp(old, weights),
+        sampler_alpha_logp(old, weights),
         old,
         None,
         adv,
         mask,
         clip_eps=0.2,
         clip_eps_high=0.28,
-        clip_center="current",
+        clip_center="pi_k",
         **objective_agg(mode, n, t),
     )
     ref_loss.backward()
@@ -152,14 +155,14 @@ def test_offpolicy_grpo_equals_objective_policy_loss(mode, seed):
     # The batch exercises both sides of the clip, so a wrong centre or width changes the result.
     assert stats["clip_low"] > 0 and stats["clip_high"] > 0
     assert metrics["actor/pg_clipfrac"] == pytest.approx(stats["clip_low"] + stats["clip_high"])
-    mismatch = objective.sampler_mismatch_stats(behaviour_logp(old, weights), old, mask)
+    mismatch = corrections.sampler_mismatch_stats(sampler_alpha_logp(old, weights), old, mask)
     assert metrics["actor/rho_prime_mean"] == pytest.approx(mismatch["rho_prime_mean"])
     assert metrics["actor/rho_prime_max"] == pytest.approx(mismatch["rho_prime_max"])
 
 
 def test_rollout_correction_settings_give_untruncated_token_rho_prime():
     # The settings the docstring names, through verl's own rollout-correction step: the loss must then equal
-    # objective.policy_loss with the sampler's log-probs as behaviour_logp, not a truncated or per-sequence rho'.
+    # objective.policy_loss with the sampler's log-probs as alpha_logp, not a truncated or per-sequence rho'.
     log_prob, old, weights, adv, mask = random_batch(1)
     # log alpha, what vLLM would report: pi_k / alpha = weights**2, up to e^1.2 ~ 3.3, past verl's default cap
     rollout_log_prob = old - 2.0 * torch.log(torch.where(mask, weights, torch.ones_like(weights)))  # (N, T)
@@ -222,13 +225,13 @@ def test_b_losses_equal_objective(name, stale, mode):
     loss, metrics, grad = verl_call(name, log_prob, old, weights, adv, mask, mode, cfg)
 
     logp = log_prob.clone().requires_grad_(True)
-    blogp = behaviour_logp(old, weights)
+    alpha_logp = sampler_alpha_logp(old, weights)
     agg = objective_agg(mode, n, t)
     if name == "opmd":
-        ref_loss, _ = opmd_loss(logp, blogp, adv, mask, tau_reg=0.3, **agg)
+        ref_loss, _ = opmd_loss(logp, alpha_logp, adv, mask, tau_reg=0.3, **agg)
     else:
         ref_loss, stats = rec_loss(
-            logp, blogp, adv, mask, clip_eps=0.2, clip_eps_high=0.28, importance_weight=name == "rec_is", **agg
+            logp, alpha_logp, adv, mask, clip_eps=0.2, clip_eps_high=0.28, importance_weight=name == "rec_is", **agg
         )
         assert stats["clip_low"] + stats["clip_high"] > 0  # the one-sided mask drops tokens on this batch
         assert metrics["actor/pg_clipfrac"] == pytest.approx(stats["clip_low"] + stats["clip_high"])
@@ -243,7 +246,7 @@ def test_opmd_default_tau_is_objective_default():
     cfg = actor_config()  # policy_loss.dro_beta unset
     set_batch_info(cfg, mask, mask.shape[0])
     loss, _, _ = verl_call("opmd", log_prob, old, weights, adv, mask, "token-mean", cfg)
-    ref_loss, _ = opmd_loss(log_prob, behaviour_logp(old, weights), adv, mask)
+    ref_loss, _ = opmd_loss(log_prob, sampler_alpha_logp(old, weights), adv, mask)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-7, atol=1e-9)
 
 
@@ -314,7 +317,7 @@ def test_losses_equal_a_plain_loop(name, stale, mode):
 
 LOSSES = ["offpolicy_grpo", "rec", "rec_is", "opmd"]
 PER_TOKEN = {
-    "offpolicy_grpo": "surrogate_per_token",
+    "offpolicy_grpo": "surrogate",
     "rec": "rec_per_token",
     "rec_is": "rec_per_token",
     "opmd": "opmd_per_token",
@@ -339,7 +342,7 @@ def test_losses_call_objective_per_token_terms(name, monkeypatch):
     verl_call(name, log_prob, old, weights, adv, mask, "token-mean", cfg)
     assert len(calls) == 1
     if name == "offpolicy_grpo":
-        assert calls[0]["clip_center"] == "current"
+        assert calls[0]["clip_center"] == "pi_k"
 
 
 @pytest.mark.parametrize("stale", [True, False])

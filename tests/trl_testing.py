@@ -9,7 +9,7 @@ import tiny
 from conftest import TEST_WARMUP
 from integrations import trl_grpo
 from integrations.trl_grpo import OffPolicyGRPOConfig, OffPolicyGRPOTrainer, checksum
-from logprobs import token_logprobs
+from logprobs import chunked_token_logprobs
 from tasks import arithmetic_problems
 
 G = 4  # completions per prompt in these tests
@@ -89,16 +89,16 @@ class Recorder(OffPolicyGRPOTrainer):
             old, gap = out.get("old_per_token_logps"), None
             if old is not None:
                 with torch.no_grad():
-                    alpha = token_logprobs(policy, *sequences(out), mask, self.temperature)
+                    alpha = chunked_token_logprobs(policy, *sequences(out), mask, self.temperature)
                 gap = ((alpha - old) * mask).abs().max().item()
             record = (self.state.global_step, checksum(policy), gap, out["completion_ids"].clone())
             self.generations = getattr(self, "generations", []) + [record]
         return out
 
     def _compute_loss(self, model, inputs):
-        kept = inputs.get("current_logps")
+        kept = inputs.get("pi_k_logps")
         loss = super()._compute_loss(model, inputs)
         with torch.no_grad():
-            now = token_logprobs(model, *sequences(inputs), inputs["completion_mask"], self.temperature)
+            now = chunked_token_logprobs(model, *sequences(inputs), inputs["completion_mask"], self.temperature)
         self.losses = getattr(self, "losses", []) + [(self.state.global_step, inputs, kept, now)]
         return loss

@@ -43,7 +43,7 @@ def credited(model, tok, problems, group_size, max_new_tokens, temperature, seed
         ids, mask = encode_prompts(tok, chunk, "cpu")
         ro = generate(model, ids, mask, group_size=group_size, max_new_tokens=max_new_tokens,
                       temperature=temperature, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      generator=gen)  # fmt: skip
+                      generator=gen)
         out = torch.where(ro.completion_mask.bool(), ro.completion_ids, tok.pad_token_id)
         texts = tok.batch_decode(out, skip_special_tokens=True)
         golds = [p.gold for p in chunk for _ in range(group_size)]
@@ -77,11 +77,11 @@ def main():
         print(json.dumps(dict(kind="greedy", split=args.split, n=args.n, max_new_tokens=t,
                               accuracy=round(r.mean().item(), 4), gold_mentioned=round(seen, 3),
                               truncated=round(tr.float().mean().item(), 3), seconds=round(sec, 1))),
-              flush=True)  # fmt: skip
+              flush=True)
     if args.show:
         ids, mask = encode_prompts(tok, probs[: args.show], "cpu")
         ro = generate(model, ids, mask, group_size=1, max_new_tokens=max(args.lengths), temperature=0.0,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         out = torch.where(ro.completion_mask.bool(), ro.completion_ids, tok.pad_token_id)
         for p, text in zip(probs, tok.batch_decode(out, skip_special_tokens=True)):
             print(f"--- gold {p.gold}: {text!r}")
@@ -93,7 +93,7 @@ def main():
                                   temperature=temp, max_new_tokens=t, pass_rate=round(r.mean().item(), 4),
                                   groups_with_signal=round(signal, 3), gold_mentioned=round(seen, 3),
                                   truncated=round(tr.float().mean().item(), 3), seconds=round(sec, 1))),
-                  flush=True)  # fmt: skip
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,195 @@
+"""The policy a run trains: loading it (the built-in tiny one, a GGUF file, or any transformers causal LM),
+fitting it into memory (bfloat16 weights, gradient checkpointing, LoRA), and the optimizer for bfloat16 weights.
+
+`load_policy` and `fit_policy` are what train.py and step.make_models call; `BF16AdamW` is the optimizer
+`make_models` picks for `--param-dtype bfloat16`. docs/benchmarks.md measures what each lever saves.
+"""
+
+from pathlib import Path
+
+import torch
+
+from config import Config, ConfigError
+
+
+def gguf_file(model: str) -> Path | None:
+    """The GGUF file `--model` names: the path itself, or the one `.gguf` in a folder without a config.json.
+
+    None for anything else (tiny, a hub id, a transformers folder). A `.gguf` path that is no file, and a
+    folder with several `.gguf` files and no config.json (ambiguous), are ConfigErrors.
+    """
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf":
+        # Checked here: a missing file would otherwise reach the hub loader as a malformed repo id.
+        if not path.is_file():
+            raise ConfigError(f"--model {model}: no such GGUF file")
+        return path
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        names = ", ".join(f.name for f in found)
+        raise ConfigError(f"--model {model}: the folder holds {len(found)} GGUF files ({names}); name one of them")
+    return found[0] if found else None
+
+
+def load_gguf(path) -> tuple[torch.nn.Module, object]:
+    """A GGUF file as an ordinary float32 transformers model and its tokenizer (chat template included).
+
+    transformers reads GGUF through the `gguf` package and dequantizes every tensor to float32, but the
+    model it returns still carries a GGUF quantization marker that makes `save_pretrained` refuse. So the
+    weights are copied into a plain model built from the same config, without the marker: it trains,
+    saves and reloads like any `from_pretrained` model. A missing `gguf` package is a one-line ConfigError.
+    """
+    try:
+        import gguf  # noqa: F401 (transformers imports it by name; checked here for a clear message)
+    except ImportError:
+        raise ConfigError(
+            f"--model {path}: reading a GGUF file needs the gguf package (pip install gguf, or the [real] extra)"
+        ) from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path).expanduser()
+    folder, name = str(path.parent), path.name
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except Exception as e:  # an unsupported architecture or a damaged file: both mean "cannot load"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"--model {path}: cannot be loaded as GGUF ({first[:200]})") from None
+    config = quantized.config
+    # The marker is what save_pretrained refuses; the weights themselves are already plain float32.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # strict: every tensor of the plain model must come from the file (tied heads share one tensor).
+    model.load_state_dict(quantized.state_dict(), strict=True)
+    model.generation_config = quantized.generation_config
+    del quantized
+    return model.eval(), tok
+
+
+def load_policy(cfg: Config, log=print):
+    """The policy to train and its tokenizer: the built-in tiny one, a GGUF file, or a transformers model.
+
+    A model that cannot be loaded (offline, wrong path, no gguf package, ...) is a ConfigError naming it.
+    """
+    gguf_path = None if cfg.model == "tiny" else gguf_file(cfg.model)
+    if cfg.model == "tiny":
+        from tiny import load_tiny
+
+        if cfg.task != "arithmetic":
+            raise ConfigError(f"--model tiny only knows --task arithmetic; name a real model for --task {cfg.task}")
+        model, tok = load_tiny(cfg.cache_dir, cfg.warmup_steps, log=log)
+    elif gguf_path is not None:
+        model, tok = load_gguf(gguf_path)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.model, trust_remote_code=cfg.trust_remote_code, dtype=torch.float32
+            )
+        except Exception as e:  # transformers raises many types here; all mean "cannot load"
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"--model {cfg.model}: cannot be loaded ({first[:200]})") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token  # safe: padding is masked explicitly, never inferred from ids
+    if tok.eos_token_id is None:
+        raise ConfigError(f"--model {cfg.model}: tokenizer has no EOS token")
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"policy: {cfg.model} ({n_params / 1e6:.2f}M parameters) on {cfg.device}, {cfg.dtype}")
+    return model, tok
+
+
+def fit_policy(cfg: Config, model):
+    """The policy as the run trains it: dropout off, then the memory levers (docs/real-model.md, "Fitting the model").
+
+    1. Every dropout probability is set to 0 (nn.Dropout and attention-dropout attributes), so that pi_theta,
+       pi_k, alpha and pi_ref are one deterministic network in train mode too, which checkpointing needs.
+    2. --param-dtype bfloat16: the weights, and so their gradients and every pass, in bfloat16.
+    3. --gradient-checkpointing: transformers' own, non-reentrant; each decoder layer's forward runs again
+       in the backward instead of keeping its activations.
+    4. --lora-rank r: peft's LoRA (no dropout) on --lora-targets; only the adapter requires grad, and pi_ref
+       is this model with the adapter disabled (step.ref_logprobs): no second copy.
+    A model that cannot take a lever is a ConfigError naming the flag.
+    """
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        for name, value in list(vars(m).items()):
+            if "dropout" in name and isinstance(value, float):  # e.g. attention_dropout of transformers' attention
+                setattr(m, name, 0.0)
+    if cfg.param_dtype == "bfloat16":
+        model.to(torch.bfloat16)
+    if cfg.gradient_checkpointing:
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise ConfigError(f"--gradient-checkpointing: {type(model).__name__} does not support it")
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x: the new name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.lora_rank:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            raise ConfigError("--lora-rank needs the peft package (pip install peft, or the [lora] extra)") from None
+        targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")
+        lora = LoraConfig(
+            r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM"
+        )
+        try:
+            model = get_peft_model(model, lora)
+        except ValueError as e:
+            raise ConfigError(f"--lora-targets {cfg.lora_targets}: {str(e).splitlines()[0][:200]}") from None
+    return model
+
+
+class BF16AdamW(torch.optim.Optimizer):
+    """AdamW for bfloat16 weights (--param-dtype bfloat16): float32 moments, the update computed in float32 as
+    torch's AdamW computes it, then rounded stochastically into the bfloat16 weight, so that E[w_new] is the
+    float32 result. Plain AdamW on bfloat16 weights rounds to nearest, which loses every update smaller than half
+    a weight's bfloat16 spacing (2^-9 of its size: at lr 2e-5 most of them). Costs 12 bytes a parameter (weight
+    2, gradient 2, moments 8) against float32's 16. Float32 parameters (a LoRA adapter) take the same update,
+    unrounded. Step s of parameter i draws its rounding noise from a generator seeded by (seed, s, i): a resumed
+    run rounds as the uninterrupted one would."""
+
+    def __init__(self, params, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), eps=1e-8, seed: int = 0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.seed = seed
+
+    @torch.no_grad()
+    def step(self):
+        params = (p for group in self.param_groups for p in group["params"])
+        index = {id(p): i for i, p in enumerate(params)}  # the parameter's place: its own rounding stream
+        for group in self.param_groups:
+            (b1, b2), lr = group["betas"], group["lr"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p, dtype=torch.float32))
+                    st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                st["step"] += 1
+                s, g, w = int(st["step"]), p.grad.float(), p.float()  # float32 copies
+                w.mul_(1 - lr * group["weight_decay"])
+                st["exp_avg"].lerp_(g, 1 - b1)
+                st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+                denom = (st["exp_avg_sq"].sqrt() / (1 - b2**s) ** 0.5).add_(group["eps"])
+                w.addcdiv_(st["exp_avg"], denom, value=-lr / (1 - b1**s))
+                if p.dtype == torch.bfloat16:
+                    seed = (self.seed * 1_000_003 + s) * 65_537 + index[id(p)]
+                    gen = torch.Generator(device=p.device).manual_seed(seed)
+                    noise = torch.randint(0, 1 << 16, w.shape, generator=gen, device=p.device, dtype=torch.int32)
+                    w = ((w.view(torch.int32) + noise) & -65536).view(torch.float32)  # low 16 bits: exact in bf16
+                p.copy_(w)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's, which casts the moments to the parameter's dtype; here they stay float32."""
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, st in state_dict["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                self.state[params[i]][key] = st[key].to(params[i].device, torch.float32, copy=True)
