@@ -78,6 +78,7 @@ def smollm2_gguf() -> Path:
     never passes without having run the real-model tests."""
     import policy
 
+    needs("gguf", "real")  # reading the file needs the gguf package
     where = Path(os.environ.get("SMOLLM2_GGUF") or SMOLLM2_DEFAULT).expanduser()
     found = policy.gguf_file(str(where)) if where.exists() else None
     if found is None:

@@ -5,7 +5,7 @@ import importlib.util
 
 import pytest
 
-from conftest import TEST_WARMUP
+from conftest import TEST_WARMUP, needs
 from studies import experiment, runner, staleness
 
 # Trains or decodes a model: CI runs these again under ATEN_CPU_CAPABILITY=default (plain kernels).
@@ -73,8 +73,7 @@ def test_tiny_sweep_writes_csv_table_and_plot(tmp_path, warm_cache, capsys):
     assert capsys.readouterr().out.count("(existing run)") == 2
     assert read_csv(results / "offpolicy.csv") == rows
 
-    if importlib.util.find_spec("matplotlib") is None:
-        pytest.skip("matplotlib not installed: the plot is optional")
+    needs("matplotlib", "plot")
     assert (results / "offpolicy.png").stat().st_size > 10_000
 
 
