@@ -25,14 +25,26 @@ import torch
 NAME = re.compile(r"^step-(\d{8})\.pt$")
 
 
+def umask_mode(mode: int) -> int:
+    """`mode` under the process's umask: what open() would give a new file; mkstemp and mkdtemp give 0600 / 0700."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mode & ~mask
+
+
 def checkpoint_dir(out: str) -> Path:
     return Path(out) / "checkpoints"
 
 
+def checkpoints(out: str) -> list[Path]:
+    """The complete checkpoints in `out`, oldest first."""
+    d = checkpoint_dir(out)
+    return sorted(p for p in d.glob("step-*.pt") if NAME.match(p.name)) if d.is_dir() else []
+
+
 def latest_checkpoint(out: str) -> Path | None:
     """The newest complete checkpoint in `out`, or None."""
-    d = checkpoint_dir(out)
-    found = sorted(p for p in d.glob("step-*.pt") if NAME.match(p.name)) if d.is_dir() else []
+    found = checkpoints(out)
     return found[-1] if found else None
 
 
@@ -47,6 +59,7 @@ def save_checkpoint(out: str, state: dict, step: int, keep: int) -> Path:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the name says "complete"
+        os.chmod(tmp, umask_mode(0o666))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -103,8 +116,11 @@ def set_rng_state(state: dict, gen: torch.Generator) -> None:
 def atomic_save_pretrained(model, tokenizer, path: Path) -> None:
     """save_pretrained into a temporary folder, then swap it into `path`."""
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    os.chmod(tmp, umask_mode(0o777))
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    for file in tmp.rglob("*"):  # some writers (safetensors) make their files 0600
+        os.chmod(file, umask_mode(0o777 if file.is_dir() else 0o666))
     if path.exists():
         old = path.with_name(f".{path.name}.old")
         shutil.rmtree(old, ignore_errors=True)

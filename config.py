@@ -1,13 +1,19 @@
 """Every knob of a training run: one dataclass with its defaults, and the CLI built from it.
 
-Each field's `help` becomes its `--flag`'s help text (`python train.py --help`); a field
-`foo_bar` is the flag `--foo-bar`. Booleans that default to True get a `--no-...` flag.
-`validate` checks the values that cannot work before any model is loaded, with a one-line
-error naming the flag.
+Each field's `help` becomes its `--flag`'s help text (`python train.py --help`, grouped as HELP_GROUPS says); a
+field `foo_bar` is the flag `--foo-bar`. Booleans that default to True get a `--no-...` flag. `validate` checks the
+values that cannot work before any model is loaded, with a one-line error naming the flag.
+
+`--out` is the run (docs/failure-modes.md): `--resume --out X` continues the run in X whatever X's config.json
+recorded as its folder, and a flag given with `--resume` must equal the run's (RESUME_MAY_CHANGE lists the
+exceptions). Paths are stored absolute, so a resume from another working directory finds them.
 """
 
 import argparse
 import json
+import math
+import re
+import sys
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -157,7 +163,8 @@ class Config:
     # --- checkpoints ------------------------------------------------------------------------
     save_every: int = arg(0, "write a checkpoint every this many steps into --out/checkpoints (0 = never)")
     keep_checkpoints: int = arg(2, "how many of the newest checkpoints to keep")
-    resume: bool = arg(False, "continue from the newest complete checkpoint in --out (its config.json is used)")
+    resume: bool = arg(False, "continue the run in --out from its newest readable checkpoint, with its config.json")
+    overwrite: bool = arg(False, "start a new run in an --out that holds one, deleting that run's files")
 
     @property
     def autocast_dtype(self):
@@ -165,48 +172,162 @@ class Config:
         return torch.bfloat16 if self.dtype == "bfloat16" else None
 
 
-def build_parser() -> argparse.ArgumentParser:
+# The sections of --help, each a list of Config fields in the order shown (every field in exactly one).
+HELP_GROUPS = {
+    "model and data": ["model", "task", "data_files", "eval_files", "trust_remote_code", "warmup_steps", "cache_dir"],
+    "sampling": [
+        "steps",
+        "prompts_per_step",
+        "group_size",
+        "max_new_tokens",
+        "temperature",
+        "offpolicy_steps",
+        "alpha_logp_from",
+        "sample_rows",
+    ],
+    "objective": [
+        "loss",
+        "clip_center",
+        "clip_eps",
+        "clip_eps_high",
+        "is_cap",
+        "is_mask",
+        "is_level",
+        "beta",
+        "kl_estimator",
+        "ref_refresh",
+        "agg",
+        "tau_reg",
+        "mask_zero_std",
+        "asymre_shift",
+        "red",
+        "red_tau",
+        "reward_shuffle",
+    ],
+    "optimisation": [
+        "lr",
+        "weight_decay",
+        "max_grad_norm",
+        "inner_steps",
+        "micro_batch",
+        "gradient_checkpointing",
+        "param_dtype",
+        "lora_rank",
+        "lora_alpha",
+        "lora_targets",
+    ],
+    "run": [
+        "seed",
+        "device",
+        "dtype",
+        "eval_every",
+        "eval_size",
+        "eval_start",
+        "out",
+        "overwrite",
+        "resume",
+        "save_every",
+        "keep_checkpoints",
+        "progress",
+        "report_to",
+    ],
+}
+# Flags that may differ from the run's own when it is resumed: how far to go, and how it looks.
+RESUME_MAY_CHANGE = ("steps", "progress", "resume")
+
+
+def flag_name(f) -> str:
+    """The command-line spelling of a Config field: --foo-bar, or --no-foo-bar for a boolean that is on."""
+    return "--" + ("no-" if f.default is True else "") + f.name.replace("_", "-")
+
+
+def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
+    """The CLI, built from Config: one section per HELP_GROUPS entry, each flag's allowed values and default once.
+    With suppress_defaults, the parsed namespace holds only the flags given (what --resume compares)."""
     p = argparse.ArgumentParser(
-        description="On- and off-policy GRPO (python train.py --offpolicy-steps 4)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        usage="python train.py [flags]   (e.g. --offpolicy-steps 4; --resume --out RUN continues a run)",
+        description="On- and off-policy GRPO on one device. docs/flags.md explains each group.",
     )
-    for f in fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        help_ = f.metadata["help"]  # choices are checked by validate(), with a one-line error
-        if f.type in (bool, "bool"):
-            if f.default:
-                p.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=help_ + " (on by default)")
-            else:
-                p.add_argument(flag, dest=f.name, action="store_true", help=help_)
-            continue
-        kind = {int: int, float: float}.get(type(f.default), str)
-        if "int" in str(f.type):
-            kind = int
-        elif "float" in str(f.type):
-            kind = float
-        p.add_argument(flag, dest=f.name, type=kind, default=f.default, help=help_)
+    by_name = {f.name: f for f in fields(Config)}
+    for title, names in HELP_GROUPS.items():
+        group = p.add_argument_group(title)
+        for name in names:
+            f = by_name[name]
+            # Choices are checked by validate(), with a one-line error; here they are only shown.
+            help_, choices = f.metadata["help"], f.metadata["choices"]
+            default = argparse.SUPPRESS if suppress_defaults else f.default
+            if f.type in (bool, "bool"):
+                action = "store_false" if f.default else "store_true"
+                group.add_argument(flag_name(f), dest=f.name, action=action, default=default, help=help_)
+                continue
+            if f.default is not None:
+                help_ += f" (default: {f.default})"
+            kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
+            metavar = "{" + ",".join(choices) + "}" if choices else {int: "N", float: "X", str: "TEXT"}[kind]
+            group.add_argument(flag_name(f), dest=f.name, type=kind, default=default, help=help_, metavar=metavar)
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> Config:
-    """The run's Config; with --resume, the one saved in --out/config.json (flags other than
-    --resume and --no-progress are then ignored, so the resumed run is the same run)."""
+NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
+
+
+def join_negative_values(argv: list[str]) -> list[str]:
+    """`--lr -1e-5` as `--lr=-1e-5`: argparse takes a value that starts with '-' for a flag unless it looks like a
+    plain negative number, so `-1e-5` would read as an unknown flag ("expected one argument")."""
+    out = []
+    for a in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and NUMBER.match(a):
+            out[-1] = f"{out[-1]}={a}"
+        else:
+            out.append(a)
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[str]]:
+    """The parsed flags, and the names of the fields given on the command line."""
+    argv = join_negative_values(sys.argv[1:] if argv is None else list(argv))
+    given = set(vars(build_parser(suppress_defaults=True).parse_args(argv)))
+    return build_parser().parse_args(argv), given
+
+
+def config_from_args(args: argparse.Namespace, given: set[str] | None = None) -> Config:
+    """The run's Config; with --resume, the one saved in --out/config.json, with --out as given (the folder is
+    the run, wherever it has been copied or moved) and only the flags of RESUME_MAY_CHANGE allowed to differ."""
     if not args.resume:
         return resolve(Config(**vars(args)))
     if not args.out:
         raise ConfigError("--resume needs --out, the folder of the run to continue")
+    if args.overwrite:
+        raise ConfigError("--resume continues the run in --out and --overwrite deletes it: give one of them")
     path = Path(args.out) / "config.json"
     if not path.is_file():
-        raise ConfigError(f"--resume: {path} not found")
-    saved = json.loads(path.read_text())
+        raise ConfigError(f"--resume: {path} not found: {args.out} holds no run")
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--resume: {path} cannot be read ({e})") from None
     known = {f.name for f in fields(Config)}
     cfg = Config(**{k: v for k, v in saved.items() if k in known})
-    cfg.resume, cfg.progress = True, args.progress
+    changed = [
+        f"{flag_name(f)} {getattr(args, f.name)} (the run has {getattr(cfg, f.name)})"
+        for f in fields(Config)
+        if f.name in (given or set()) - {"out", *RESUME_MAY_CHANGE} and getattr(args, f.name) != getattr(cfg, f.name)
+    ]
+    if changed:
+        raise ConfigError(f"--resume continues the run as it was configured; these differ: {'; '.join(changed)}")
+    cfg.out, cfg.resume, cfg.progress = args.out, True, args.progress
+    if "steps" in (given or set()):
+        cfg.steps = args.steps  # to extend the run (or to stop it earlier than planned)
     return resolve(cfg)
 
 
+def absolute(path: str | None) -> str | None:
+    """A path as an absolute one, so that the run's config.json still names it from another working directory."""
+    return None if path is None else str(Path(path).expanduser().absolute())
+
+
 def resolve(cfg: Config) -> Config:
-    """Fill in the defaults that depend on other fields or on the machine."""
+    """Fill in the defaults that depend on other fields or on the machine; make the paths absolute."""
     if cfg.max_new_tokens is None:
         cfg.max_new_tokens = 8 if cfg.task == "arithmetic" else 512
     if cfg.device == "auto":
@@ -215,13 +336,23 @@ def resolve(cfg: Config) -> Config:
         cfg.dtype = "bfloat16" if cfg.device.startswith("cuda") else "float32"
     if cfg.out is None:
         cfg.out = time.strftime("runs/%Y%m%d-%H%M%S")
+    cfg.out, cfg.cache_dir = absolute(cfg.out), absolute(cfg.cache_dir)
+    cfg.data_files, cfg.eval_files = absolute(cfg.data_files), absolute(cfg.eval_files)
+    if cfg.model != "tiny" and Path(cfg.model).expanduser().exists():  # a local folder or file, not a hub id
+        cfg.model = absolute(cfg.model)
     return cfg
 
 
 def validate(cfg: Config) -> None:
     """Reject values that cannot work, naming the flag; runs before any model is loaded."""
+    for f in fields(Config):  # nan and inf pass every comparison below the wrong way, or crash a step later
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{flag_name(f)} {value}: must be a finite number")
     checks = [
         (cfg.steps >= 1, "--steps must be >= 1"),
+        (0 <= cfg.seed < 2**63, "--seed must be in [0, 2**63)"),
+        (cfg.weight_decay >= 0, "--weight-decay must be >= 0"),
         (cfg.prompts_per_step >= 1, "--prompts-per-step must be >= 1"),
         (cfg.group_size >= 2, "--group-size must be >= 2 (a group of one has no baseline)"),
         (cfg.offpolicy_steps >= 1, "--offpolicy-steps must be >= 1"),
@@ -287,5 +418,11 @@ def validate(cfg: Config) -> None:
     for name, idle, why in cannot_act:
         if name in changed and idle:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: cannot act here: {why}")
+    if Path(cfg.cache_dir).exists() and not Path(cfg.cache_dir).is_dir():
+        raise ConfigError(f"--cache-dir {cfg.cache_dir}: is a file, not a folder")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?|mps", cfg.device):
+        raise ConfigError(f"--device {cfg.device}: unknown device; use auto, cpu, cuda or cuda:N")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--device {cfg.device}: CUDA is not available on this machine")
+    if cfg.task not in ("gsm8k",) and (cfg.data_files or cfg.eval_files):
+        raise ConfigError(f"--data-files / --eval-files are read by --task gsm8k; --task {cfg.task} is built in")

@@ -148,32 +148,48 @@ def gold_from_solution(answer: str) -> str | None:
     return gold if parse_number(gold) is not None else None
 
 
-def read_jsonl(path: str) -> list[Problem]:
-    """GSM8K-style rows from a local JSONL file; a bad row is a TaskError naming file and line."""
+def read_jsonl(path: str, flag: str = "--data-files") -> list[Problem]:
+    """GSM8K-style rows from a local JSONL file; anything wrong with it is a TaskError naming the flag, the file and,
+    for a bad row, its line."""
     p = Path(path)
-    if not p.is_file():
-        raise TaskError(f"--data-files: {path}: no such file")
+    if p.is_dir():
+        raise TaskError(f"{flag} {path}: is a folder, not a JSONL file")
+    if not p.exists():
+        raise TaskError(f"{flag} {path}: no such file")
+    if not p.is_file():  # a pipe, e.g. <(zcat f.gz): read once, it could not be read again by --resume
+        raise TaskError(f"{flag} {path}: is a pipe or a device, not a file; save it to a file (--resume rereads it)")
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise TaskError(f"{flag} {path}: cannot be read ({e.strerror})") from None
+    if data.lstrip()[:1] == b"[":
+        raise TaskError(f"{flag} {path}: is a JSON array; this needs JSON Lines, one object per line")
     rows = []
-    with p.open(encoding="utf-8", errors="replace") as f:
-        for i, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TaskError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-            if (
-                not isinstance(row, dict)
-                or not isinstance(row.get("question"), str)
-                or not isinstance(row.get("answer"), str)
-            ):
-                raise TaskError(f"{path}:{i}: row needs string fields 'question' and 'answer'")
-            gold = gold_from_solution(row["answer"])
-            if gold is None:
-                raise TaskError(f"{path}:{i}: answer has no parseable final number after '####'")
-            rows.append(Problem(row["question"], gold))
+    for i, raw in enumerate(data.splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TaskError(f"{path}:{i}: not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TaskError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+        if (
+            not isinstance(row, dict)
+            or not isinstance(row.get("question"), str)
+            or not isinstance(row.get("answer"), str)
+        ):
+            raise TaskError(f"{path}:{i}: row needs string fields 'question' and 'answer'")
+        if not row["question"].strip():
+            raise TaskError(f"{path}:{i}: the question is empty")
+        gold = gold_from_solution(row["answer"])
+        if gold is None:
+            raise TaskError(f"{path}:{i}: answer has no parseable final number after '####'")
+        rows.append(Problem(row["question"], gold))
     if not rows:
-        raise TaskError(f"--data-files: {path}: file has no rows")
+        raise TaskError(f"{flag} {path}: file has no rows")
     return rows
 
 
@@ -203,7 +219,7 @@ def load_task(
         if data_files:
             train = read_jsonl(data_files)
             if eval_files:
-                heldout = read_jsonl(eval_files)
+                heldout = read_jsonl(eval_files, "--eval-files")
             else:
                 if len(train) <= eval_size:
                     raise TaskError(

@@ -8,8 +8,8 @@ then logs a metrics row, evaluates held-out accuracy every --eval-every steps, a
 --save-every steps. Bookkeeping lives in named functions below the loop's helpers: `setup`,
 `restore`, `checkpoint_state`, `metrics_row`.
 
-Reading order: `train` at the bottom is the whole run top to bottom (setup, resume or first evaluation,
-the loop, the end); each block is a few lines that call a named function above it. The algorithm itself
+Reading order: `train` and `run` at the bottom are the whole run top to bottom (setup, resume or first
+evaluation, the loop, the end); each block is a few lines that call a named function above it. The algorithm itself
 is in step.py (`grpo_step`), objective.py and advantage.py; this file only feeds it prompts and keeps
 the books. Outputs (run_io.py): config.json, metrics.jsonl (one row per step, README "Metrics"),
 summary.json, final/ (save_pretrained), curves.png with matplotlib, checkpoints/ with --save-every.
@@ -17,18 +17,25 @@ summary.json, final/ (save_pretrained), curves.png with matplotlib, checkpoints/
 Deviations from [A]:
   1. Held-out accuracy is greedy (temperature 0), the usual way to report it; training samples
      at --temperature.
-  2. Three non-finite steps in a row stop the run (`Diverged`, exit status 3); bad input exits 2.
+  2. A run whose steps keep going non-finite stops (`Diverged`, exit status 3: `stop_if_diverged` has the rule),
+     and weights that are not finite are never saved; bad input exits 2, Ctrl-C 130, SIGTERM 143, each with one
+     line (docs/failure-modes.md).
 """
 
+import contextlib
+import json
 import random
+import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from checkpoint import (
     checkpoint_dir,
+    checkpoints,
     latest_checkpoint,
     load_checkpoint,
     load_policy_state,
@@ -37,7 +44,7 @@ from checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from config import Config, ConfigError, build_parser, config_from_args, validate
+from config import Config, ConfigError, config_from_args, parse_args, validate
 from decoding import sampling_path
 from policy import load_policy
 from reward import math_reward
@@ -48,7 +55,43 @@ from tasks import Problem, TaskError, encode_prompts, fit_context, load_task
 
 
 class Diverged(Exception):
-    """Three non-finite steps in a row: the run stops (exit status 3; its newest checkpoint is good)."""
+    """The run's steps keep going non-finite (`stop_if_diverged`), or its weights are: the run stops with exit
+    status 3, and its newest checkpoint on disk is a good one."""
+
+
+class Stopped(Exception):
+    """Ctrl-C (SIGINT) or SIGTERM: `main` prints one line, where the run stands and how to resume it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.exit_status = 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+
+
+# A signal that arrives while a checkpoint or final/ is being written waits for the write to finish: cut short,
+# torch.save raises an error of its own, and the stopped run would not end in its one line.
+_writing, _pending_signal = False, None
+
+
+def stop_on_signal(signum, frame):
+    global _pending_signal
+    if _writing:
+        _pending_signal = signum
+        return
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def signals_wait():
+    """Ctrl-C and SIGTERM take effect once the block is done (`stop_on_signal`)."""
+    global _writing, _pending_signal
+    _writing = True
+    try:
+        yield
+    finally:
+        _writing = False
+        if _pending_signal is not None:
+            signum, _pending_signal = _pending_signal, None
+            raise Stopped(signum)
 
 
 class PromptStream:
@@ -84,7 +127,10 @@ def evaluate(model, tokenizer, problems: list[Problem], max_new_tokens: int, dev
     for s in range(0, len(problems), batch_size):
         chunk = problems[s : s + batch_size]
         ids, mask = encode_prompts(tokenizer, chunk, device)  # (b, P) left-padded
-        r = generate(model, ids, mask, group_size=1, max_new_tokens=max_new_tokens, temperature=0.0, **special)
+        try:
+            r = generate(model, ids, mask, group_size=1, max_new_tokens=max_new_tokens, temperature=0.0, **special)
+        except FloatingPointError:
+            raise Diverged("held-out evaluation: the policy's logits are not finite; stopping") from None
         # Tokens after EOS are padding; the verifier reads the decoded text only.
         ids = torch.where(r.completion_mask.bool(), r.completion_ids, tokenizer.pad_token_id)  # (b, T)
         texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
@@ -93,12 +139,27 @@ def evaluate(model, tokenizer, problems: list[Problem], max_new_tokens: int, dev
     return correct / max(len(problems), 1)
 
 
-def stop_if_diverged(streak: int, step: int) -> None:
-    """Three non-finite steps in a row end the run; no checkpoint was written during the streak,
-    so the newest one on disk is the last good one."""
-    # One bad step is skipped (its gradient is not applied); three in a row mean the run has diverged.
-    if streak >= 3:
-        raise Diverged(f"step {step}: loss or gradient not finite 3 steps in a row; stopping (try a lower --lr)")
+NONFINITE_IN_A_ROW, NONFINITE_WINDOW, NONFINITE_IN_WINDOW = 3, 20, 4
+
+
+def stop_if_diverged(nonfinite_steps: list[int], step: int) -> None:
+    """The run stops when 3 steps in a row, or 4 of the last 20, were not finite (their updates skipped).
+
+    One bad step is skipped and the run goes on. A streak means the run has diverged; so do bad steps that keep
+    coming back between good ones (a learning rate far too high can leave the loss finite every other step while
+    the policy collapses). No checkpoint is written after a non-finite step until the next finite one, so the
+    newest checkpoint on disk is a good one."""
+    recent = [k for k in nonfinite_steps if k > step - NONFINITE_WINDOW]
+    streak = all(step - j in nonfinite_steps for j in range(NONFINITE_IN_A_ROW))
+    if streak or len(recent) >= NONFINITE_IN_WINDOW:
+        why = f"{NONFINITE_IN_A_ROW} in a row" if streak else f"{len(recent)} of the last {NONFINITE_WINDOW} steps"
+        raise Diverged(f"step {step}: loss or gradient not finite, {why}; stopping (try a lower --lr)")
+
+
+def check_finite_weights(policy, when: str) -> None:
+    """Weights that are not finite are never saved (as a checkpoint or final/) nor evaluated: the run stops."""
+    if not all(torch.isfinite(p).all() for p in policy.parameters()):
+        raise Diverged(f"{when}: the policy's weights are not finite; stopping (try a lower --lr)")
 
 
 def verifier(tokenizer, problems: list[Problem], group_size: int):
@@ -160,14 +221,24 @@ def checkpoint_state(
 
 
 def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunWriter):
-    """Load the newest complete checkpoint into the models; returns (step, start accuracy, wall seconds, the
+    """Load the newest readable checkpoint into the models; returns (step, start accuracy, wall seconds, the
     unfinished refresh cycle or None)."""
-    # "Complete" means renamed into place after an fsync: a checkpoint cut short by a crash is never picked.
-    path = latest_checkpoint(cfg.out)
-    if path is None:
+    # Complete means renamed into place after an fsync; a file damaged since (a truncated copy, a bad disk) is
+    # passed over for the one before it, with a notice naming both.
+    found = checkpoints(cfg.out)
+    if not found:
         raise ConfigError(f"--resume: no complete checkpoint in {checkpoint_dir(cfg.out)}")
-    # torch.load with weights_only=True: a checkpoint is data, never code.
-    ck = load_checkpoint(path)
+    for path in reversed(found):
+        try:
+            ck = load_checkpoint(path)  # torch.load(weights_only=True): a checkpoint is data, never code
+            break
+        except Exception as e:  # a damaged file raises whatever the zip or unpickling layer meets first
+            reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+            writer.log(f"--resume: {path} cannot be read ({reason}); trying the one before it")
+    else:
+        raise ConfigError(f"--resume: no readable checkpoint in {checkpoint_dir(cfg.out)} (newest: {found[-1]})")
+    if path != found[-1]:
+        writer.log(f"--resume: {found[-1]} was unreadable; resuming from {path}")
     load_policy_state(models.policy, ck["policy"])
     cycle = Cycle.from_state(ck["cycle"], cfg.device) if "cycle" in ck else None
     if models.ref is not None:
@@ -228,10 +299,20 @@ def train(cfg: Config) -> dict:
     validate(cfg)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    device = torch.device(cfg.device)
     # Bad data fails here, before anything is written.
     train_set, heldout = load_task(cfg.task, cfg.data_files, cfg.eval_files, cfg.eval_size)
-    writer = RunWriter(cfg)
+    writer = RunWriter(cfg)  # refuses a folder that holds another run, or that another process writes
+    try:
+        return run(cfg, writer, train_set, heldout)
+    finally:
+        writer.close()  # the folder is free again, however the run ended
+
+
+def run(cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: list[Problem]) -> dict:
+    """The run itself, in its claimed folder: the policy, resume or the first evaluation, the loop, the end."""
+    device = torch.device(cfg.device)
+    if overlap := len({p.question for p in heldout} & {p.question for p in train_set}):
+        writer.log(f"warning: {overlap} of the {len(heldout)} held-out questions are also training questions")
     models, tokenizer, train_set, heldout = setup(cfg, writer, train_set, heldout)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)  # the sampling generator
     v = cfg.offpolicy_steps
@@ -261,7 +342,7 @@ def train(cfg: Config) -> dict:
     bar_kw = dict(desc="grpo", dynamic_ncols=True, disable=not cfg.progress, initial=start_step, total=cfg.steps)
     bar = tqdm(range(start_step, cfg.steps), **bar_kw)
     # ---- the loop: B prompts, one GRPO step (steps 1-6 in step.py), bookkeeping ----
-    streak = 0  # non-finite steps in a row
+    nonfinite = []  # the steps whose update was skipped as not finite (stop_if_diverged)
     for step in bar:
         t_step = time.time()
         try:
@@ -270,8 +351,8 @@ def train(cfg: Config) -> dict:
         except FloatingPointError:
             # The sampler's logits are not finite: a diverged policy. The step counts as non-finite.
             writer.metrics({"step": step, "wall_s": time.time() - t0, "nonfinite_updates": 1, "nonfinite_logits": 1})
-            streak += 1
-            stop_if_diverged(streak, step)
+            nonfinite.append(step)
+            stop_if_diverged(nonfinite, step)
             continue
         # Bookkeeping: the metrics row, held-out accuracy every --eval-every steps, the divergence guard.
         row = metrics_row(step, res, cfg.group_size, time.time() - t0, time.time() - t_step, device)
@@ -279,28 +360,53 @@ def train(cfg: Config) -> dict:
             row["eval_accuracy"] = evaluate(models.policy, tokenizer, heldout, cfg.max_new_tokens, device)
         writer.metrics(row)
         show(bar, row)
-        streak = streak + 1 if res.stats.get("nonfinite_updates") else 0
-        stop_if_diverged(streak, step)
-        # No checkpoint during a non-finite streak: the newest one on disk stays the last good one.
-        if cfg.save_every and (step + 1) % cfg.save_every == 0 and streak == 0:
+        if res.stats.get("nonfinite_updates"):
+            nonfinite.append(step)
+        stop_if_diverged(nonfinite, step)
+        # No checkpoint of a non-finite step, nor of weights that are not finite: the newest one stays a good one.
+        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step not in nonfinite:
+            check_finite_weights(models.policy, f"step {step}")
             state = checkpoint_state(models, gen, stream, cycle, step + 1, acc_start, time.time() - t0)
-            save_checkpoint(cfg.out, state, step + 1, cfg.keep_checkpoints)
+            with signals_wait():
+                save_checkpoint(cfg.out, state, step + 1, cfg.keep_checkpoints)
 
     # ---- the end: held-out accuracy, summary.json, final/ and curves.png ----
+    check_finite_weights(models.policy, "the end of the run")
     acc_end = evaluate(models.policy, tokenizer, heldout, cfg.max_new_tokens, device)
     summary = dict(eval_accuracy_start=acc_start, eval_accuracy_end=acc_end, steps=cfg.steps)
     summary.update(wall_s=time.time() - t0, eval_size=len(heldout), out=str(writer.out))
     gain = "start not evaluated" if acc_start is None else f"start {acc_start:.3f}, {acc_end - acc_start:+.3f}"
     writer.log(f"held-out greedy accuracy after training:  {acc_end:.3f} ({gain})")
-    writer.finish(models.policy, tokenizer, summary)
+    with signals_wait():
+        writer.finish(models.policy, tokenizer, summary)
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The CLI. Every expected failure is one line on stderr: exit 2 for bad input, 3 for a diverged run."""
-    args = build_parser().parse_args(argv)
+def where_the_run_stands(out: str, steps: int) -> str:
+    """The steps done, the newest checkpoint, and how to continue: for the line of a stopped run."""
+    last = None
     try:
-        cfg = config_from_args(args)
+        with open(Path(out) / "metrics.jsonl", errors="replace") as f:
+            for line in f:
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    last = json.loads(line)["step"]
+    except OSError:
+        pass
+    done = f"{0 if last is None else last + 1} of {steps} steps done"
+    ck = latest_checkpoint(out)
+    if ck is None:
+        return f"{done}; no checkpoint to resume from (--save-every writes them)"
+    return f"{done}, newest checkpoint {ck.name}; continue with: python train.py --resume --out {out}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The CLI. Every expected failure is one line on stderr: exit 2 for bad input (or a disk that fails), 3 for a
+    diverged run, 130 for Ctrl-C and 143 for SIGTERM."""
+    handlers = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    args, given = parse_args(argv)
+    cfg = None
+    try:
+        cfg = config_from_args(args, given)
         train(cfg)
     except (ConfigError, TaskError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -309,6 +415,17 @@ def main(argv: list[str] | None = None) -> int:
     except Diverged as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except Stopped as e:
+        where = "" if cfg is None else f"; {where_the_run_stands(cfg.out, cfg.steps)}"
+        print(f"stopped by {e}{where}", file=sys.stderr)
+        return e.exit_status
+    except OSError as e:  # a full disk, a folder made read-only under the run, ...
+        where = "" if cfg is None else f"; {where_the_run_stands(cfg.out, cfg.steps)}"
+        print(f"error: {e}{where}", file=sys.stderr)
+        return 2
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     return 0
 
 

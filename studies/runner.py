@@ -18,7 +18,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import fields
 from pathlib import Path
 
-from config import Config, ConfigError, resolve
+from config import Config, ConfigError, absolute, resolve
 
 # Config fields a study passes through to every run unchanged (None: the run's own default).
 PASSTHROUGH = ("model", "task", "data_files", "eval_files", "max_new_tokens")
@@ -71,6 +71,8 @@ def finished(cfg: Config) -> bool:
         return False
     saved = {RENAMED_FLAGS.get(k, k): v for k, v in json.loads((out / "config.json").read_text()).items()}
     saved = {k: RENAMED_VALUES.get(k, {}).get(v, v) for k, v in saved.items()}
+    # Paths are stored absolute since 2026-12; older records hold them relative to the repository root.
+    saved.update({k: absolute(saved[k]) for k in ("out", "cache_dir", "data_files", "eval_files") if k in saved})
     ignore = {"progress", "resume"}  # do not change the result
     # A field the saved config lacks was added to Config after that run: it ran with the default.
     return all(saved.get(f.name, f.default) == getattr(cfg, f.name) for f in fields(Config) if f.name not in ignore)

@@ -2,6 +2,7 @@
 
 import csv
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -236,14 +237,14 @@ def test_model_and_task_pass_through_to_every_run(tmp_path):
     assert (cfg.model, cfg.task, cfg.data_files, cfg.max_new_tokens, cfg.offpolicy_steps) == (
         "Qwen/Qwen2.5-0.5B-Instruct",
         "gsm8k",
-        "gsm8k.jsonl",
+        str(Path("gsm8k.jsonl").absolute()),  # paths are stored absolute (config.resolve)
         256,
         4,
     )
     study = staleness.build_parser().parse_args(given)
     cfgs = [runner.make_config(study, tmp_path / "r", **ch) for _, ch in staleness.grid(study)]
     assert {(c.model, c.task, c.data_files, c.max_new_tokens) for c in cfgs} == {
-        ("Qwen/Qwen2.5-0.5B-Instruct", "gsm8k", "gsm8k.jsonl", 512)
+        ("Qwen/Qwen2.5-0.5B-Instruct", "gsm8k", str(Path("gsm8k.jsonl").absolute()), 512)
     }
     assert len(cfgs) == 87
     # Without the flags the runs keep Config's defaults (the built-in policy and task).

@@ -237,7 +237,7 @@ def test_non_finite_gradients_skip_the_step_and_three_stop_the_run(model, tok, t
         str(tmp_path / "o"),
         "--no-progress",
     )
-    assert_one_line_error_tail(r, "not finite 3 steps in a row", status=3)  # its own exit status
+    assert_one_line_error_tail(r, "not finite, 3 in a row", status=3)  # its own exit status
     rows = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
     bad = [row["step"] for row in rows if row["nonfinite_updates"]]
     assert len(bad) == 3 and bad == list(range(bad[0], bad[0] + 3))

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 import step
 import train
 from advantage import group_advantages
-from config import Config, resolve
+from config import Config, build_parser, resolve
 from conftest import ROOT, TEST_WARMUP, shared_data
 from logprobs import chunked_token_logprobs
 from rollout import generate
@@ -329,7 +329,7 @@ def test_help_and_the_flags_page_list_every_config_field_and_no_other():
     import re
     from dataclasses import fields
 
-    help_text = train.build_parser().format_help()
+    help_text = build_parser().format_help()
     documented = set(re.findall(r"^\| `(--[\w-]+)` \|", (ROOT / "docs" / "flags.md").read_text(), flags=re.M))
     flags = {f"--{'no-' if f.default is True else ''}{f.name.replace('_', '-')}" for f in fields(Config)}
     assert documented == flags

@@ -1,0 +1,410 @@
+"""The run folder: `--out` is the run, one writer at a time, resume continues the run it finds, divergence never
+reaches a checkpoint, and everything a user can cause ends in one line (docs/failure-modes.md).
+
+Each case runs the command line (`train.main`) on the built-in tiny policy for a few steps: in this process where it
+can, in a subprocess where it needs one (a real second process, real signals, a finished run to copy).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import config
+import train
+from conftest import ROOT, TEST_WARMUP
+
+pytestmark = pytest.mark.model  # trains a model: CI runs these again under plain kernels
+
+ENV = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture
+def main(capsys):
+    """train.main in this process, as the command line runs it: (status, stdout, stderr) as a CompletedProcess."""
+
+    def run(*args) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        status = train.main([str(a) for a in args])
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(args, status, out.out, out.err)
+
+    return run
+
+
+def cli(*args, cwd=ROOT, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=ENV,
+    )
+
+
+def tiny(cache, out, steps=2, *extra) -> list:
+    """A few steps of the built-in task: 2 prompts x 2 completions, 4 held-out problems, no progress bar."""
+    return [
+        *("--steps", steps, "--prompts-per-step", 2, "--group-size", 2, "--eval-size", 4, "--eval-every", 0),
+        *("--warmup-steps", TEST_WARMUP, "--cache-dir", cache, "--out", out, "--no-progress", *extra),
+    ]
+
+
+def error_lines(stderr: str) -> list[str]:
+    """stderr without transformers' own progress bars (loading the weights), which are no error."""
+    return [line for line in stderr.splitlines() if line.strip() and not line.startswith("Loading weights")]
+
+
+def one_line_error(r: subprocess.CompletedProcess, status: int, *words: str) -> str:
+    """The process ended with `status` and one line on stderr (no traceback) holding every one of `words`."""
+    lines = error_lines(r.stderr)
+    assert r.returncode == status, r.stderr[-2000:]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert all(w in lines[0] for w in words), lines[0]
+    return lines[0]
+
+
+def snapshot(folder: Path) -> dict:
+    """Every file under `folder` with its bytes: what "touches nothing" compares."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished_run(warm_cache, tmp_path_factory) -> Path:
+    """A finished 2-step run with a checkpoint after each step (copied, never changed, by the tests)."""
+    out = tmp_path_factory.mktemp("runs") / "done"
+    r = cli(*tiny(warm_cache, out, 2, "--save-every", 1))
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+    return dst
+
+
+def steps_logged(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# --- --out is the run ---------------------------------------------------------------------------------------------
+
+
+def test_a_copied_run_resumes_in_the_copy_and_leaves_the_original_alone(finished_run, tmp_path, warm_cache, main):
+    original = copy_run(finished_run, tmp_path / "a")
+    before = snapshot(original)
+    copy = copy_run(original, tmp_path / "b")
+    r = main("--resume", "--out", copy, "--steps", 4)  # --steps may differ: it extends the run
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert steps_logged(copy) == [0, 1, 2, 3] and json.loads((copy / "config.json").read_text())["out"] == str(copy)
+    assert snapshot(original) == before
+
+
+def test_a_moved_run_resumes_where_it_is_and_its_old_folder_stays_gone(finished_run, tmp_path, main):
+    old = copy_run(finished_run, tmp_path / "old")
+    new = tmp_path / "new"
+    old.rename(new)
+    r = main("--resume", "--out", new, "--steps", 3)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert steps_logged(new) == [0, 1, 2] and not old.exists()
+
+
+def test_paths_are_stored_absolute_and_a_missing_one_is_named_on_resume(tmp_path, monkeypatch, main):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    args, given = config.parse_args(["--task", "gsm8k", "--data-files", "train.jsonl", "--out", "run", "--model", "m"])
+    cfg = train.config_from_args(args, given)
+    assert cfg.data_files == str(tmp_path / "train.jsonl") and cfg.out == str(tmp_path / "run")
+    assert Path(cfg.cache_dir).is_absolute() and cfg.model == "m"  # a hub id is no path
+    # From another working directory the recorded path still names the file; once it is gone, the error does.
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(vars(cfg)))
+    (tmp_path / "train.jsonl").unlink()
+    monkeypatch.chdir(ROOT)
+    r = main("--resume", "--out", run)
+    one_line_error(r, 2, str(tmp_path / "train.jsonl"), "no such file")
+
+
+def test_a_new_run_refuses_a_folder_that_holds_a_run_and_touches_nothing(finished_run, tmp_path, warm_cache, main):
+    out = copy_run(finished_run, tmp_path / "run")
+    before = snapshot(out)
+    r = main(*tiny(warm_cache, out, 2, "--lr", "1e-4"))
+    one_line_error(r, 2, "already holds a run", "--resume", "--overwrite")
+    assert snapshot(out) == before
+
+
+def test_overwrite_starts_the_run_over(finished_run, tmp_path, warm_cache, main):
+    out = copy_run(finished_run, tmp_path / "run")
+    r = main(*tiny(warm_cache, out, 1, "--overwrite"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert steps_logged(out) == [0] and not (out / "checkpoints").exists()  # the old run's checkpoints are gone
+
+
+def test_a_folder_that_is_not_a_run_is_refused_even_with_overwrite(tmp_path, warm_cache, main):
+    model = copy_run(ROOT / "tiny_policy", tmp_path / "model")
+    before = snapshot(model)
+    for extra in ([], ["--overwrite"]):
+        r = main(*tiny(warm_cache, model, 1, *extra))
+        one_line_error(r, 2, "not a run's", "config.json")
+    assert snapshot(model) == before
+
+
+# --- one writer per run -------------------------------------------------------------------------------------------
+
+
+def wait_for(predicate, timeout=120):
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_a_second_process_on_the_same_out_is_refused_naming_the_first(tmp_path, warm_cache, main):
+    out = tmp_path / "run"
+    first = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *map(str, tiny(warm_cache, out, 400))],
+        cwd=ROOT,
+        env=ENV,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert wait_for(lambda: (out / "metrics.jsonl").exists())
+        r = main(*tiny(warm_cache, out, 2))
+        line = one_line_error(r, 2, "in use by another run", f"pid {first.pid}")
+        r = main("--resume", "--out", out)
+        one_line_error(r, 2, "in use by another run")
+        assert "pid" in line
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_a_lock_left_by_a_dead_process_does_not_block(tmp_path, warm_cache, main):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".lock").write_text("999999\n")  # its writer is gone: the operating system released its lock
+    r = main(*tiny(warm_cache, out, 1))
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+# --- resume continues the run it finds ----------------------------------------------------------------------------
+
+
+def test_a_flag_that_differs_from_the_runs_is_refused_naming_both_values(finished_run, tmp_path, main):
+    out = copy_run(finished_run, tmp_path / "run")
+    before = snapshot(out)
+    r = main("--resume", "--out", out, "--lr", "1e-3", "--offpolicy-steps", "2")
+    one_line_error(r, 2, "--lr 0.001 (the run has 5e-05)", "--offpolicy-steps 2 (the run has 1)")
+    # Given equal to the run's, a flag is no change.
+    assert snapshot(out) == before
+    r = main("--resume", "--out", out, "--lr", "5e-5", "--steps", "3")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert steps_logged(out) == [0, 1, 2]
+
+
+def test_a_torn_last_metrics_line_is_dropped_with_a_notice(finished_run, tmp_path, main):
+    out = copy_run(finished_run, tmp_path / "run")
+    (out / "final").rename(tmp_path / "final")
+    (out / "checkpoints" / "step-00000002.pt").unlink()  # back to step 1, as if killed while logging step 1
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "rew')  # the disk filled up mid-line
+    r = main("--resume", "--out", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "dropped a torn last line" in r.stdout + r.stderr
+    assert steps_logged(out) == [0, 1]
+
+
+def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(finished_run, tmp_path, main):
+    out = copy_run(finished_run, tmp_path / "run")
+    newest = out / "checkpoints" / "step-00000002.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated: a copy cut short
+    r = main("--resume", "--out", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    log = r.stdout + r.stderr
+    assert "step-00000002.pt cannot be read" in log and "resuming from" in log and "step-00000001.pt" in log
+    (out / "checkpoints" / "step-00000001.pt").write_bytes(b"not a checkpoint")
+    newest.write_bytes(b"")
+    r = main("--resume", "--out", out)
+    one_line_error(r, 2, "no readable checkpoint", "step-00000002.pt")
+
+
+# --- divergence never reaches a checkpoint ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--lr", "inf"],
+        ["--lr", "nan"],
+        ["--is-cap", "nan", "--clip-center", "decoupled"],
+        ["--beta", "inf"],
+        ["--clip-eps", "nan"],
+        ["--weight-decay", "-1"],
+        ["--lr", "-1e-5"],
+        ["--seed", str(2**70)],
+        ["--device", "foo"],
+    ],
+)
+def test_float_and_range_flags_are_checked_before_anything_runs(tmp_path, args, main):
+    r = main(*args, "--out", tmp_path / "run")
+    one_line_error(r, 2, args[0])
+    assert not (tmp_path / "run").exists()
+
+
+def test_weights_that_are_not_finite_stop_the_run_before_they_are_saved(tok):
+    import tiny
+
+    model = tiny.build_model(tok, seed=0)
+    train.check_finite_weights(model, "here")  # finite: nothing happens
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("inf")
+    with pytest.raises(train.Diverged, match="here: the policy's weights are not finite"):
+        train.check_finite_weights(model, "here")
+
+
+def test_an_intermittently_non_finite_run_stops_and_saves_no_non_finite_weights(tmp_path, warm_cache, main):
+    out = tmp_path / "run"
+    r = main(*tiny(warm_cache, out, 20, "--lr", "1e30", "--save-every", "1", "--keep-checkpoints", "20"))
+    one_line_error(r, 3, "not finite")
+    assert not (out / "final").exists()
+    for path in (out / "checkpoints").glob("step-*.pt"):
+        state = torch.load(path, weights_only=True)["policy"]
+        assert all(torch.isfinite(t).all() for t in state.values()), path
+
+
+def test_the_divergence_rule_counts_a_window_as_well_as_a_streak():
+    train.stop_if_diverged([1, 2], 2)  # two in a row: go on
+    train.stop_if_diverged([1, 3, 5], 6)  # three of the last 20: go on
+    with pytest.raises(train.Diverged, match="3 in a row"):
+        train.stop_if_diverged([4, 5, 6], 6)
+    with pytest.raises(train.Diverged, match="4 of the last 20"):
+        train.stop_if_diverged([1, 2, 4, 6], 6)  # the --lr 1e30 pattern: never three in a row
+    train.stop_if_diverged([1, 2, 4, 6], 30)  # long ago: forgotten
+
+
+# --- everything a user can cause is one line ----------------------------------------------------------------------
+
+
+def write(path: Path, text: str | bytes) -> Path:
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("folder", ["is a folder"]),
+        ("pipe", ["is a pipe"]),
+        ("array", ["is a JSON array", "JSON Lines"]),
+        ("utf8", ["data.jsonl:2", "not valid UTF-8", "0xff"]),
+        ("empty_questions", ["data.jsonl:1", "question is empty"]),
+    ],
+)
+def test_bad_data_files_are_named_for_what_they_are(tmp_path, case, words, main):
+    data = tmp_path / "data.jsonl"
+    row = '{"question": "1+1?", "answer": "#### 2"}\n'
+    if case == "folder":
+        data.mkdir()
+    elif case == "pipe":
+        os.mkfifo(data)
+    elif case == "array":
+        write(data, "[" + row.strip() + "]\n")
+    elif case == "utf8":
+        write(data, row.encode() + b'{"question": "caf\xff?", "answer": "#### 2"}\n')
+    else:
+        write(data, '{"question": " ", "answer": "#### 2"}\n' * 3)
+    r = main("--task", "gsm8k", "--model", "x", "--data-files", data, "--out", tmp_path / "run")
+    one_line_error(r, 2, *words)
+    assert not (tmp_path / "run").exists()
+
+
+def test_overlap_between_held_out_and_training_files_is_a_warning(tmp_path, main):
+    rows = "".join(f'{{"question": "q{i}?", "answer": "#### {i}"}}\n' for i in range(6))
+    data = write(tmp_path / "data.jsonl", rows)
+    r = main("--task", "gsm8k", "--model", "tiny", "--data-files", data, "--eval-files", data, "--out", tmp_path / "r")
+    assert "warning: 6 of the 6 held-out questions are also training questions" in r.stdout + r.stderr
+
+
+def test_built_in_tasks_refuse_data_files(tmp_path, main):
+    data = write(tmp_path / "data.jsonl", '{"question": "1+1?", "answer": "#### 2"}\n')
+    r = main("--task", "arithmetic", "--data-files", data, "--out", tmp_path / "run")
+    one_line_error(r, 2, "--data-files", "--task gsm8k")
+
+
+def test_out_or_cache_dir_that_is_a_file_and_an_out_that_cannot_be_made(tmp_path, warm_cache, main):
+    a_file = write(tmp_path / "a_file", "x")
+    one_line_error(main(*tiny(warm_cache, a_file, 1)), 2, "--out", "is a file")
+    one_line_error(main(*tiny(warm_cache, a_file / "run", 1)), 2, "--out", "cannot be written")
+    r = main("--cache-dir", a_file, "--out", tmp_path / "run")
+    one_line_error(r, 2, "--cache-dir", "is a file")
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line(tmp_path, warm_cache, monkeypatch, capsys):
+    def full(*a, **kw):
+        raise OSError(28, "No space left on device", str(tmp_path / "run" / "checkpoints"))
+
+    monkeypatch.setattr(train, "save_checkpoint", full)
+    status = train.main([str(a) for a in tiny(warm_cache, tmp_path / "run", 2, "--save-every", "1")])
+    err = error_lines(capsys.readouterr().err)
+    assert status == 2 and len(err) == 1 and "No space left on device" in err[0], err
+    assert "1 of 2 steps done" in err[0] and "no checkpoint" in err[0]
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_and_sigterm_end_with_one_line_saying_how_to_resume(tmp_path, warm_cache, sig, status):
+    out = tmp_path / "run"
+    p = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *map(str, tiny(warm_cache, out, 400, "--save-every", "1"))],
+        cwd=ROOT,
+        env=ENV,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert wait_for(lambda: any((out / "checkpoints").glob("step-*.pt")) if (out / "checkpoints").exists() else False)
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=120)
+    lines = error_lines(err)
+    assert p.returncode == status and len(lines) == 1, err[-2000:]
+    assert f"python train.py --resume --out {out}" in lines[0] and " of 400 steps done" in lines[0]
+    assert "newest checkpoint step-" in lines[0]
+
+
+def test_help_is_grouped_shows_the_allowed_values_and_each_default_once():
+    text = config.build_parser().format_help()
+    for group in ("model and data:", "sampling:", "objective:", "optimisation:", "run:"):
+        assert f"\n{group}\n" in text
+    assert "--clip-center {pi_k,alpha,decoupled}" in text and "--task {arithmetic,gsm8k,wordproblems}" in text
+    assert text.count("(default: 400)") == 1 and "%(default)" not in text
+    for action in config.build_parser()._actions:  # each default once: argparse adds none of its own
+        assert (action.help or "").count("default") <= 1, action.help
+    assert len(text.splitlines()) < 160 and text.startswith("usage: python train.py [flags]")
+
+
+def test_output_files_follow_the_users_umask(tmp_path, warm_cache, main):
+    out = tmp_path / "run"
+    old = os.umask(0o022)
+    try:
+        r = main(*tiny(warm_cache, out, 1, "--save-every", "1"))
+    finally:
+        os.umask(old)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for path in (out / "config.json", out / "summary.json", out / "final" / "model.safetensors"):
+        assert path.stat().st_mode & 0o777 == 0o644, path
+    assert next((out / "checkpoints").glob("step-*.pt")).stat().st_mode & 0o777 == 0o644
+    assert (out / "final").stat().st_mode & 0o777 == 0o755
+
+
+def test_absolute_keeps_none_and_expands_the_home_folder():
+    assert config.absolute(None) is None and config.absolute("~/x") == str(Path.home() / "x")
