@@ -25,11 +25,10 @@ import torch
 from objective import (
     CLIP_CENTERS,
     KL_ESTIMATORS,
-    aggregate,
     clip_interval,
-    kl_penalty,
     loss_stats,
     neutral_outside,
+    penalised_loss,
     token_advantages,
 )
 
@@ -216,11 +215,7 @@ def corrected_policy_loss(
         loss_mask=loss_mask,
     )
     kept = loss_mask if keep is None else loss_mask * keep  # (N, T) MIS: what stays in the loss and its normaliser
-    kl = torch.zeros_like(rho)  # (N, T)
-    if ref_logp is not None and beta != 0.0:
-        kl = kl_penalty(logp, ref_logp, kl_estimator)  # (N, T)
-        objective = objective - beta * kl  # (N, T)
-    loss = -aggregate(objective, kept, agg, max_new_tokens, total)
+    loss, kl = penalised_loss(objective, logp, ref_logp, kept, beta, kl_estimator, agg, max_new_tokens, total)
     return loss, loss_stats(loss_mask, rho, clip_low, clip_high, kl)
 
 

@@ -118,12 +118,18 @@ def policy_loss(
     objective, rho, clip_low, clip_high = surrogate(
         logp, alpha_logp, pi_k_logp, advantages, clip_eps=clip_eps, clip_eps_high=clip_eps_high, clip_center=clip_center
     )
-    kl = torch.zeros_like(rho)  # (N, T)
-    if ref_logp is not None and beta != 0.0:
-        kl = kl_penalty(logp, ref_logp, kl_estimator)  # (N, T) estimate of KL(pi_theta || pi_ref)
-        objective = objective - beta * kl  # (N, T)
-    loss = -aggregate(objective, loss_mask, agg, max_new_tokens, total)
+    loss, kl = penalised_loss(objective, logp, ref_logp, loss_mask, beta, kl_estimator, agg, max_new_tokens, total)
     return loss, loss_stats(loss_mask, rho, clip_low, clip_high, kl)
+
+
+def penalised_loss(objective, logp, ref_logp, loss_mask, beta, kl_estimator, agg, max_new_tokens, total):
+    """The end of every clipped policy loss: - agg_t [ o_t - beta kl_t ] over loss_mask's tokens, and kl_t (N, T)
+    (zeros without a KL term), the estimate of KL(pi_theta || pi_ref) of `kl_penalty`."""
+    kl = torch.zeros_like(objective)  # (N, T)
+    if ref_logp is not None and beta != 0.0:
+        kl = kl_penalty(logp, ref_logp, kl_estimator)  # (N, T)
+        objective = objective - beta * kl  # (N, T)
+    return -aggregate(objective, loss_mask, agg, max_new_tokens, total), kl
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
