@@ -2,6 +2,8 @@
 
     python -m studies.real_staleness                # the grid below, one run at a time (~15 min a run, 1 thread)
     python -m studies.real_staleness --table-only   # table and picture again from results/real_staleness.csv
+    python -m studies.real_staleness --recipe gentle --vs 1 4 --corrections current behaviour
+                                                    # issue 30's gentler regime: half the lr, twice the steps
 
 The toy study (studies/staleness.py, results/staleness.csv) asks its question of a 1M-parameter model with
 3-4-token answers. This one asks it of a pretrained chat model on --task wordproblems, with the LoRA variant
@@ -43,7 +45,6 @@ from studies import runner, staleness
 GGUF = "~/.cache/offpolicy-grpo/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 RECIPE = dict(
     task="wordproblems",
-    steps=12,
     prompts_per_step=8,
     group_size=8,
     max_new_tokens=48,
@@ -55,6 +56,14 @@ RECIPE = dict(
     eval_every=0,
     eval_size=200,
 )
+# The recipes, by name: each has its own records (results/<stem>/) and table (results/<stem>_table.md).
+# "gentle" takes half the learning rate over twice the steps: about the same total movement, each refresh
+# cycle drifting about half as far, the regime [A] trains in (small lr, many steps).
+RECIPES = {
+    "12-step": dict(lr=2e-4, steps=12),
+    "gentle": dict(lr=1e-4, steps=24),
+}
+STEMS = {"12-step": "real_staleness", "gentle": "real_staleness_gentle"}
 CORRECTIONS = {
     "current": dict(clip_center="pi_k"),
     "behaviour": dict(clip_center="alpha"),
@@ -74,17 +83,22 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--recipe", choices=list(RECIPES), default="12-step", help="lr and steps (see RECIPES)")
     p.add_argument("--model", default=GGUF, help="the GGUF file (or model folder) every run trains (SmolLM2)")
     p.add_argument("--corrections", nargs="+", choices=list(CORRECTIONS), default=list(CORRECTIONS), help="(all)")
     p.add_argument("--vs", nargs="+", type=int, default=[1, 4, 8], help="refresh periods v (1 = the baseline)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1], help="seeds, each a whole set of runs")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per run")
-    p.add_argument("--runs-dir", default="results/real_staleness", help="per-run records (config, metrics, summary)")
-    p.add_argument("--out-dir", default="results", help="where real_staleness.csv/.png and _table.md go")
+    p.add_argument("--runs-dir", help="per-run records (config, metrics, summary) (results/<the recipe's stem>)")
+    p.add_argument("--out-dir", default="results", help="where <stem>.csv/.png and <stem>_table.md go")
     p.add_argument("--toy-csv", default="results/staleness.csv", help="the toy study's CSV, for the side-by-side")
     p.add_argument("--table-only", action="store_true", help="no training: table and picture from the CSV")
     p.add_argument("--fresh", action="store_true", help="rerun every run, even a finished one")
     return p
+
+
+def runs_dir(args) -> Path:
+    return Path(args.runs_dir or Path("results") / STEMS[args.recipe])
 
 
 def grid(args) -> list[tuple[str, dict]]:
@@ -105,8 +119,9 @@ def config(args, correction: str, changes: dict) -> Config:
     """The run's Config. Only the v = 1 run evaluates the start: every run of a seed starts from the same
     weights (LoRA's B is zero at init, so the adapted model is the base model), and greedy evaluation draws
     no random numbers, so it is the same 200 decodes each time (the first six runs each read 0.070)."""
-    out = Path(args.runs_dir) / run_name(correction, changes)
-    cfg = Config(model=str(Path(args.model).expanduser()), **RECIPE, **changes, out=str(out), progress=False)
+    out = runs_dir(args) / run_name(correction, changes)
+    recipe = RECIPE | RECIPES[args.recipe]
+    cfg = Config(model=str(Path(args.model).expanduser()), **recipe, **changes, out=str(out), progress=False)
     cfg = resolve(replace(cfg, eval_start=correction == BASELINE))
     # A run finished before the start evaluation was left to v = 1 evaluated it itself: the same run.
     return cfg if runner.finished(cfg) or not runner.finished(done := replace(cfg, eval_start=True)) else done
@@ -158,7 +173,7 @@ def collect(args, jobs: list[tuple[str, dict]]) -> list[dict]:
         row
         for c, ch in jobs
         if runner.finished(cfg := config(args, c, ch))
-        for row in rows_of(cfg, c, Path(args.runs_dir))
+        for row in rows_of(cfg, c, runs_dir(args))
     ]
 
 
@@ -189,7 +204,7 @@ def run_study(args, csv: Path) -> list[dict]:
             continue
         for heavy in ("final", "checkpoints"):  # the record is the metrics; the weights stay out of git
             shutil.rmtree(Path(cfg.out) / heavy, ignore_errors=True)
-        r = rows_of(cfg, correction, Path(args.runs_dir))
+        r = rows_of(cfg, correction, runs_dir(args))
         write_rows(collect(args, jobs), csv)
         start = r[0]["eval_accuracy"]
         acc = f"{float('nan') if start == '' else start:.3f} -> {r[-1]['eval_accuracy']:.3f}"
@@ -288,7 +303,7 @@ def ranking_table(rows: list[dict], toy: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], toy: dict, path: Path) -> bool:
+def plot(rows: list[dict], toy: dict, path: Path, recipe: str = "12-step") -> bool:
     """Two panels: final accuracy vs v per correction (mean ± std over seeds, the shared baseline at v = 1);
     the difference to v = 1 at each v, the real model's beside the toy's, per correction."""
     try:
@@ -317,7 +332,8 @@ def plot(rows: list[dict], toy: dict, path: Path) -> bool:
     ax_v.set_xticks(vs, [str(v) for v in vs])
     ax_v.set_xlabel("refresh period v (v = 1: on-policy, the shared baseline)")
     ax_v.set_ylabel("final held-out greedy accuracy (200 problems)")
-    ax_v.set_title("SmolLM2-135M-Instruct, LoRA recipe, 12 steps\n(mean ± std over seeds)", fontsize=10)
+    lr, steps = RECIPES[recipe]["lr"], RECIPES[recipe]["steps"]
+    ax_v.set_title(f"SmolLM2-135M-Instruct, LoRA recipe, lr {lr:g}, {steps} steps\n(mean ± std over seeds)", fontsize=10)
     ax_v.grid(alpha=0.3)
     ax_v.legend(fontsize=8)
     labels, k = [], 0
@@ -346,7 +362,8 @@ def plot(rows: list[dict], toy: dict, path: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.out_dir)
-    csv = out / "real_staleness.csv"
+    stem = STEMS[args.recipe]
+    csv = out / f"{stem}.csv"
     if args.table_only:
         rows = read_rows(csv)
     else:
@@ -354,9 +371,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = run_study(args, csv)
     toy = toy_deltas(Path(args.toy_csv))
     table = summary_table(rows, toy) + "\n" + ranking_table(rows, toy)
-    (out / "real_staleness_table.md").write_text(table)
-    png = ", real_staleness.png" if plot(rows, toy, out / "real_staleness.png") else ""
-    print(f"\n{table}\nwrote {out}/real_staleness_table.md{png}" + ("" if args.table_only else ", real_staleness.csv"))
+    (out / f"{stem}_table.md").write_text(table)
+    png = f", {stem}.png" if plot(rows, toy, out / f"{stem}.png", args.recipe) else ""
+    print(f"\n{table}\nwrote {out}/{stem}_table.md{png}" + ("" if args.table_only else f", {stem}.csv"))
     return 0
 
 
