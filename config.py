@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from logprobs import Truncation
+
 
 class ConfigError(ValueError):
     """A flag value that cannot work; train.py prints it as one line and exits with status 2."""
@@ -39,12 +41,15 @@ class Config:
     )
     task: str = arg(
         "arithmetic",
-        "arithmetic (built-in, offline), gsm8k, or wordproblems (built-in, offline: one-step word problems, "
-        "held-out phrasings disjoint from training)",
-        ["arithmetic", "gsm8k", "wordproblems"],
+        "arithmetic (built-in, offline), gsm8k, wordproblems (built-in, offline: one-step word problems, "
+        "held-out phrasings disjoint from training), or math (MATH-style answers in \\boxed{}, scored with "
+        "math-verify: the [math] extra; needs --data-files)",
+        ["arithmetic", "gsm8k", "wordproblems", "math"],
     )
     data_files: str | None = arg(
-        None, "local JSONL with 'question'/'answer' rows for --task gsm8k (instead of the hub)"
+        None,
+        "local JSONL: 'question'/'answer' rows for --task gsm8k (instead of the hub); 'problem'/'answer' rows "
+        "(or 'solution', its last \\boxed{} the answer) for --task math",
     )
     eval_files: str | None = arg(
         None, "local JSONL of held-out rows (default: the first --eval-size rows of --data-files)"
@@ -56,8 +61,17 @@ class Config:
     steps: int = arg(400, "training steps")
     prompts_per_step: int = arg(16, "B, prompts per step")
     group_size: int = arg(8, "G, completions sampled per prompt")
-    max_new_tokens: int | None = arg(None, "completion length limit (default: 8 for arithmetic, 512 for gsm8k)")
+    max_new_tokens: int | None = arg(
+        None, "completion length limit (default: 8 for arithmetic, 1024 for math, 512 for the others)"
+    )
     temperature: float = arg(1.0, "sampling temperature tau; log-probs are computed from logits / tau")
+    top_k: int = arg(0, "sample from the k most likely tokens only, renormalised (0 = off); so are all log-probs")
+    top_p: float = arg(
+        1.0, "sample from the most likely tokens up to this much mass, renormalised (1 = off); so are all log-probs"
+    )
+    min_p: float = arg(
+        0.0, "sample from the tokens with p >= min_p x the top token's, renormalised (0 = off); so are all log-probs"
+    )
     offpolicy_steps: int = arg(
         1, "v: every v steps the policy samples the next v steps' batches at once (alpha = pi_theta; 1 = on-policy)"
     )
@@ -148,6 +162,15 @@ class Config:
     eval_every: int = arg(50, "held-out greedy accuracy every this many steps (0 = start and end only)")
     eval_size: int = arg(500, "held-out problems evaluated")
     eval_start: bool = arg(True, "evaluate the starting policy (--no-eval-start: skip it; its accuracy is then null)")
+    eval_samples: int = arg(
+        0,
+        "k: besides greedy accuracy, sample k completions per held-out problem and report their mean accuracy "
+        "([A]'s pass@1 over k samples) as eval_pass1 (0 = greedy only)",
+    )
+    eval_temperature: float | None = arg(None, "temperature of the k evaluation samples (default: --temperature)")
+    eval_top_k: int | None = arg(None, "top-k of the k evaluation samples (default: --top-k)")
+    eval_top_p: float | None = arg(None, "top-p of the k evaluation samples (default: --top-p)")
+    eval_min_p: float | None = arg(None, "min-p of the k evaluation samples (default: --min-p)")
     seed: int = arg(0, "seed of the data order, the sampler and everything else")
     device: str = arg("auto", "auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
     dtype: str = arg(
@@ -167,6 +190,19 @@ class Config:
     overwrite: bool = arg(False, "start a new run in an --out that holds one, deleting that run's files")
 
     @property
+    def truncation(self) -> Truncation:
+        """The sampler's kept set (logprobs.Truncation): what every log-prob of the objective is renormalised over."""
+        return Truncation(self.top_k, self.top_p, self.min_p)
+
+    @property
+    def eval_truncation(self) -> Truncation:
+        """The kept set of the k evaluation samples: --eval-top-k / -top-p / -min-p, each defaulting to training's."""
+        pick = lambda mine, train: train if mine is None else mine  # noqa: E731
+        return Truncation(
+            pick(self.eval_top_k, self.top_k), pick(self.eval_top_p, self.top_p), pick(self.eval_min_p, self.min_p)
+        )
+
+    @property
     def autocast_dtype(self):
         """The autocast dtype of forward passes, None for plain float32."""
         return torch.bfloat16 if self.dtype == "bfloat16" else None
@@ -181,6 +217,9 @@ HELP_GROUPS = {
         "group_size",
         "max_new_tokens",
         "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
         "offpolicy_steps",
         "alpha_logp_from",
         "sample_rows",
@@ -223,6 +262,11 @@ HELP_GROUPS = {
         "eval_every",
         "eval_size",
         "eval_start",
+        "eval_samples",
+        "eval_temperature",
+        "eval_top_k",
+        "eval_top_p",
+        "eval_min_p",
         "out",
         "overwrite",
         "resume",
@@ -329,7 +373,7 @@ def absolute(path: str | None) -> str | None:
 def resolve(cfg: Config) -> Config:
     """Fill in the defaults that depend on other fields or on the machine; make the paths absolute."""
     if cfg.max_new_tokens is None:
-        cfg.max_new_tokens = 8 if cfg.task == "arithmetic" else 512
+        cfg.max_new_tokens = {"arithmetic": 8, "math": 1024}.get(cfg.task, 512)
     if cfg.device == "auto":
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
     if cfg.dtype == "auto":
@@ -359,6 +403,14 @@ def validate(cfg: Config) -> None:
         (cfg.inner_steps >= 1, "--inner-steps must be >= 1"),
         (cfg.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
         (cfg.temperature > 0, "--temperature must be > 0 (training samples; evaluation is greedy)"),
+        (cfg.top_k >= 0, "--top-k must be >= 0 (0 = off)"),
+        (0 < cfg.top_p <= 1, "--top-p must be in (0, 1] (1 = off)"),
+        (0 <= cfg.min_p < 1, "--min-p must be in [0, 1) (0 = off)"),
+        (cfg.eval_samples >= 0, "--eval-samples must be >= 0 (0 = greedy accuracy only)"),
+        (cfg.eval_temperature is None or cfg.eval_temperature >= 0, "--eval-temperature must be >= 0 (0 = greedy)"),
+        (cfg.eval_top_k is None or cfg.eval_top_k >= 0, "--eval-top-k must be >= 0 (0 = off)"),
+        (cfg.eval_top_p is None or 0 < cfg.eval_top_p <= 1, "--eval-top-p must be in (0, 1] (1 = off)"),
+        (cfg.eval_min_p is None or 0 <= cfg.eval_min_p < 1, "--eval-min-p must be in [0, 1) (0 = off)"),
         (cfg.lr >= 0, "--lr must be >= 0"),
         (cfg.beta >= 0, "--beta must be >= 0"),
         (cfg.clip_eps >= 0, "--clip-eps must be >= 0"),
@@ -414,6 +466,10 @@ def validate(cfg: Config) -> None:
         ("red_tau", cfg.red != "weight", "--red-tau is RED-Weight's temperature (--red weight)"),
         ("lora_alpha", cfg.lora_rank == 0, "--lora-alpha scales a LoRA adapter (--lora-rank > 0)"),
         ("lora_targets", cfg.lora_rank == 0, "--lora-targets names a LoRA adapter's modules (--lora-rank > 0)"),
+        *[
+            (name, cfg.eval_samples == 0, f"--{name.replace('_', '-')} sets the k samples of --eval-samples k > 0")
+            for name in ("eval_temperature", "eval_top_k", "eval_top_p", "eval_min_p")
+        ],
     ]
     for name, idle, why in cannot_act:
         if name in changed and idle:
@@ -424,5 +480,16 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"--device {cfg.device}: unknown device; use auto, cpu, cuda or cuda:N")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--device {cfg.device}: CUDA is not available on this machine")
-    if cfg.task not in ("gsm8k",) and (cfg.data_files or cfg.eval_files):
-        raise ConfigError(f"--data-files / --eval-files are read by --task gsm8k; --task {cfg.task} is built in")
+    if cfg.task not in ("gsm8k", "math") and (cfg.data_files or cfg.eval_files):
+        raise ConfigError(
+            f"--data-files / --eval-files are read by --task gsm8k and math; --task {cfg.task} is built in"
+        )
+    if cfg.task == "math":
+        if not cfg.data_files:
+            raise ConfigError("--task math reads a local JSONL of 'problem'/'answer' rows: give it with --data-files")
+        try:
+            import math_verify  # noqa: F401  (its presence only; reward.py imports it to score)
+        except ImportError:
+            raise ConfigError(
+                "--task math scores answers with math-verify, an optional extra: pip install -e '.[math]'"
+            ) from None

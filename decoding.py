@@ -19,7 +19,7 @@ import weakref
 import torch
 from transformers import PreTrainedModel
 
-from logprobs import cache_kwarg, last_logits_only, position_ids_from_mask
+from logprobs import Truncation, cache_kwarg, entropy_of, last_logits_only, position_ids_from_mask, sampling_logits
 
 
 def sampling_path(model, fast: bool | None = None) -> str:
@@ -213,6 +213,7 @@ def sample_static(
     *,
     max_new_tokens: int,
     temperature: float,
+    truncation: Truncation | None,
     eos_token_id: int,
     pad_token_id: int,
     generator: torch.Generator | None,
@@ -233,13 +234,12 @@ def sample_static(
         if t > 0:
             logits = dec.decode(model, tokens[-1])  # (N, V)
         logits = logits.float()  # (N, V)
+        logp_all = torch.log_softmax(sampling_logits(logits, temperature, truncation), dim=-1)  # (N, V) log alpha
         if temperature > 0:
-            logp_all = torch.log_softmax(logits / temperature, dim=-1)  # (N, V)
-            nxt = sample_exponential_race(logp_all.exp(), generator)  # (N,)
+            nxt = sample_exponential_race(logp_all.exp(), generator)  # (N,) a token outside the kept set has p = 0
         else:
-            logp_all = torch.log_softmax(logits, dim=-1)  # (N, V)
             nxt = logits.argmax(dim=-1)  # (N,)
-        entropy = -(logp_all.exp() * logp_all).sum(dim=-1)  # (N,)
+        entropy = entropy_of(logp_all)  # (N,)
         nxt = torch.where(alive, nxt, torch.full_like(nxt, pad_token_id))  # (N,) pad after EOS
         tokens.append(nxt)
         logps.append(torch.where(alive, logp_all.gather(1, nxt.unsqueeze(1)).squeeze(1), torch.zeros_like(entropy)))

@@ -1,6 +1,8 @@
-"""Per-token log-probs of given completions under a causal LM, from logits / temperature.
+"""Per-token log-probs of given completions under a causal LM, from logits / temperature, truncated as the sampler.
 
-    token_logprobs           the textbook: log_softmax(logits / tau).gather(y), what a reader copies
+    Truncation, sampling_logits  the distribution the sampler draws from: logits / tau, cut to top-k / top-p / min-p
+                             and renormalised over the tokens kept; every log-prob of the objective uses it
+    token_logprobs           the textbook: log_softmax(sampling_logits).gather(y), what a reader copies
     chunked_token_logprobs   the same values, computed without the (N, T, V) float32 logits: an optimisation
                              for real vocabularies, tested equal to the textbook (tests/test_rollout.py)
 
@@ -12,9 +14,81 @@ unpadded one. This file imports only torch (and the standard library): it can be
 """
 
 import inspect
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """The sampler's kept set at each position (vLLM's and transformers' rules, on logits / temperature):
+
+        top-k  the k most likely tokens                                      (0: off)
+        top-p  then the most likely tokens until their mass reaches p,       (1: off)
+               renormalised over top-k's set: a token is kept while the mass before it is < p
+        min-p  then the tokens with probability >= min_p x the top token's   (0: off)
+
+    Each cut is a threshold on the logit, so tokens tied at the edge are kept together: the set is a function
+    of the logits alone, the same in the sampler and the trainer whatever order a sort leaves ties in.
+    """
+
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    @property
+    def cuts(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+def kept_tokens(z: torch.Tensor, truncation: Truncation) -> torch.Tensor:
+    """(..., V) bool: the tokens `truncation` keeps of the distribution softmax(z), z = logits / tau."""
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if 0 < truncation.top_k < z.shape[-1]:
+        kth = z.topk(truncation.top_k, dim=-1).values[..., -1:]  # (..., 1) the k-th largest logit
+        keep &= z >= kth
+    if truncation.top_p < 1.0:
+        p = torch.softmax(z.masked_fill(~keep, -math.inf), dim=-1)  # (..., V) renormalised over top-k's set
+        p_sorted = p.sort(dim=-1, descending=True).values  # (..., V)
+        before = p_sorted.cumsum(dim=-1) - p_sorted  # (..., V) the mass of the tokens ranked above
+        n_kept = (before < truncation.top_p).sum(dim=-1, keepdim=True)  # (..., 1) >= 1: the top token has 0 before
+        keep &= p >= p_sorted.gather(-1, n_kept - 1)  # the smallest kept probability is the threshold
+    if truncation.min_p > 0.0:
+        # p / p_max >= min_p  <=>  z >= z_max + log(min_p): the same on any renormalisation of the set
+        keep &= z >= z.amax(dim=-1, keepdim=True) + math.log(truncation.min_p)
+    return keep
+
+
+def truncate(z: torch.Tensor, truncation: Truncation | None, targets: torch.Tensor | None = None) -> torch.Tensor:
+    """z (..., V) with -inf outside the kept set, so that log_softmax renormalises over the tokens kept.
+
+    `targets` (...,) are kept whatever the rule says: a scored token that alpha sampled can fall just outside
+    pi_theta's own set (docs/design.md, "Truncated sampling"). Without truncation z is returned as it is."""
+    if truncation is None or not truncation.cuts:
+        return z
+    keep = kept_tokens(z, truncation)  # (..., V)
+    if targets is not None:
+        keep.scatter_(-1, targets.unsqueeze(-1), True)
+    return z.masked_fill(~keep, -math.inf)
+
+
+def sampling_logits(
+    logits: torch.Tensor, temperature: float, truncation: Truncation | None = None, targets: torch.Tensor | None = None
+) -> torch.Tensor:
+    """z = logits / tau (float32, or float64 for float64 logits), -inf outside the kept set: log_softmax(z) is
+    log alpha(. | prefix) of the distribution the sampler draws from. temperature 0 (greedy) is tau = 1, untruncated:
+    the top token is in every kept set."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (..., V)
+    if temperature <= 0:
+        return z / 1.0
+    return truncate(z / temperature, truncation, targets)
+
+
+def entropy_of(logp_all: torch.Tensor) -> torch.Tensor:
+    """-sum_y p(y) log p(y) over the last dim; a token outside the kept set (log p = -inf) adds 0, not 0 x -inf."""
+    return -(logp_all.exp() * logp_all.clamp(min=torch.finfo(logp_all.dtype).min)).sum(dim=-1)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -28,16 +102,18 @@ def token_logprobs(
     attention_mask: torch.Tensor,
     completion_mask: torch.Tensor,
     temperature: float,
+    truncation: Truncation | None = None,
 ) -> torch.Tensor:
-    """log pi(y_t | prompt, y_<t) of each completion token under `model`, from logits / temperature: (N, T) float32,
-    0 where completion_mask is 0, differentiable when grad is on. temperature 0 (greedy) scores at tau = 1."""
+    """log pi(y_t | prompt, y_<t) of each completion token under `model`, from the sampler's distribution (logits /
+    temperature, truncated as it is and renormalised: `sampling_logits`): (N, T) float32, 0 where completion_mask is
+    0, differentiable when grad is on. temperature 0 (greedy) scores at tau = 1."""
     t = completion_mask.shape[1]
-    tau = temperature if temperature > 0 else 1.0
     pos = position_ids_from_mask(attention_mask)  # (N, P+T)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).logits  # (N, P+T, V)
-    logits = logits[:, -t - 1 : -1].float() / tau  # (N, T, V) position P+j-1 predicts completion token j
     y = input_ids[:, -t:]  # (N, T)
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)  # (N, T)
+    # position P+j-1 predicts completion token j
+    z = sampling_logits(logits[:, -t - 1 : -1], temperature, truncation, targets=y)  # (N, T, V)
+    logp = torch.log_softmax(z, dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)  # (N, T)
     return torch.where(completion_mask.bool(), logp, 0.0)  # (N, T)
 
 
@@ -55,24 +131,26 @@ def last_logits_only(model) -> dict:
 
 
 class SelectedLogProb(torch.autograd.Function):
-    """log softmax(h W^T + b)[y] / tau for M rows, in row chunks, without keeping (M, V) logits.
+    """log softmax(z)[y] for M rows, z = truncate((h W^T + b) / tau), in row chunks, without keeping (M, V) logits.
 
-    Forward keeps only the per-row log-sum-exp; backward recomputes each chunk's softmax:
-        d logp / d z = (onehot(y) - softmax(z)) / tau,   z = (h W^T + b) / tau.
+    Forward keeps only the per-row log-sum-exp; backward recomputes each chunk's z (the same kept set: the same
+    floats) and its softmax, 0 outside the kept set:
+        d logp / d (h W^T + b) = (onehot(y) - softmax(z)) / tau.
     Peak extra memory is one (chunk, V) float32 block instead of (M, V).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, truncation=None):
         acc = torch.promote_types(weight.dtype, torch.float32)  # float32, or float64 in tests
         out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)  # (M,)
         lse = torch.empty_like(out)  # (M,)
         for s in range(0, hidden.shape[0], chunk):
             z = F.linear(hidden[s : s + chunk], weight, bias).to(acc) / temperature  # (c, V)
+            z = truncate(z, truncation, targets[s : s + chunk])
             lse[s : s + chunk] = torch.logsumexp(z, dim=-1)
             out[s : s + chunk] = z.gather(1, targets[s : s + chunk, None]).squeeze(1) - lse[s : s + chunk]
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.chunk, ctx.truncation = temperature, chunk, truncation
         return out
 
     @staticmethod
@@ -87,7 +165,7 @@ class SelectedLogProb(torch.autograd.Function):
             grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device)
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]  # (c, H)
-            z = F.linear(h, weight, bias).to(acc) / tau  # (c, V)
+            z = truncate(F.linear(h, weight, bias).to(acc) / tau, ctx.truncation, targets[s : s + chunk])  # (c, V)
             g = -torch.exp(z - lse[s : s + chunk, None])  # (c, V) -softmax
             g.scatter_add_(1, targets[s : s + chunk, None], torch.ones_like(g[:, :1]))  # onehot - softmax
             g = g * (grad_out[s : s + chunk, None] / tau)  # (c, V) d loss / d logits
@@ -99,7 +177,7 @@ class SelectedLogProb(torch.autograd.Function):
                 grad_b += g.sum(dim=0)  # (V,)
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
-        return grad_h, grad_w, grad_b, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None
 
 
 def has_plain_head(model) -> bool:
@@ -153,6 +231,7 @@ def chunked_token_logprobs(
     attention_mask: torch.Tensor,
     completion_mask: torch.Tensor,
     temperature: float,
+    truncation: Truncation | None = None,
     chunk: int = 1024,
 ) -> torch.Tensor:
     """`token_logprobs`, without building the (N, T, V) float32 logits: the LM head runs in row chunks over the
@@ -162,6 +241,7 @@ def chunked_token_logprobs(
         input_ids, attention_mask: (N, P+T), prompts left-padded then completions right-padded.
         completion_mask: (N, T), 1 on the completion tokens to score; T is inferred from it.
         temperature: the sampling temperature (1.0 for the plain distribution).
+        truncation: the sampler's top-k / top-p / min-p, renormalised over the kept set (None: the whole vocabulary).
         chunk: rows of the LM head evaluated at once.
 
     Returns:
@@ -169,19 +249,20 @@ def chunked_token_logprobs(
     """
     (n, length), t = input_ids.shape, completion_mask.shape[1]
     tau = temperature if temperature > 0 else 1.0
+    truncation = truncation if temperature > 0 else None  # greedy scores the whole distribution (sampling_logits)
     pos = position_ids_from_mask(attention_mask)  # (N, P+T)
     sel = completion_mask.bool()  # (N, T)
     targets = input_ids[:, length - t :][sel]  # (M,) the scored tokens
     if has_plain_head(model):
         h = completion_states(model.get_decoder(), input_ids, attention_mask, pos, t)[sel]  # (M, H) scored rows only
         head = model.get_output_embeddings()
-        logp = SelectedLogProb.apply(h, head.weight, head.bias, targets, tau, chunk)  # (M,)
+        logp = SelectedLogProb.apply(h, head.weight, head.bias, targets, tau, chunk, truncation)  # (M,)
     else:
         # Generic path (soft-capped or scaled heads): the model's own logits, only T+1 of them.
         logits = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, logits_to_keep=t + 1
         ).logits
-        z = logits[:, :-1][sel].float() / tau  # (M, V)
+        z = truncate(logits[:, :-1][sel].float() / tau, truncation, targets)  # (M, V)
         logp = z.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(z, dim=-1)  # (M,)
     out = torch.zeros(n, t, dtype=torch.float32, device=input_ids.device)  # (N, T)
     return out.masked_scatter(sel, logp)  # (N, T), differentiable w.r.t. logp

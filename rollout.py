@@ -1,8 +1,9 @@
 """Rollouts: G completions per prompt sampled from alpha, the stale policy, and the batches of a refresh cycle.
 
-`generate` samples with a KV cache, token by token, from softmax(logits / temperature), with an explicit
-torch.Generator so that runs are reproducible (`sample` is the loop). `generate_batches` samples the v batches of
-a refresh cycle in as few calls as a row cap allows (step.sample_cycle); a `Cycle` holds them until their steps.
+`generate` samples with a KV cache, token by token, from softmax(logits / temperature), cut to the kept set of
+--top-k / --top-p / --min-p and renormalised (logprobs.sampling_logits), with an explicit torch.Generator so that
+runs are reproducible (`sample` is the loop). `generate_batches` samples the v batches of a refresh cycle in as few
+calls as a row cap allows (step.sample_cycle); a `Cycle` holds them until their steps.
 
 Layout of a batch (the convention every other file uses):
     prompt_ids      (N, P)    left-padded, so every prompt ends at column P-1
@@ -28,7 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from decoding import sample_static, use_static_decoder
-from logprobs import cache_kwarg, last_logits_only, position_ids_from_mask
+from logprobs import Truncation, cache_kwarg, entropy_of, last_logits_only, position_ids_from_mask, sampling_logits
 
 
 @dataclass
@@ -106,6 +107,7 @@ def generate(
     temperature: float,
     eos_token_id: int,
     pad_token_id: int,
+    truncation: Truncation | None = None,
     generator: torch.Generator | None = None,
     ignore_eos: bool = False,
     fast: bool | None = None,
@@ -115,6 +117,7 @@ def generate(
     Args:
         prompt_ids, prompt_mask: (B, P) left-padded prompts.
         temperature: > 0 samples from softmax(logits / temperature); 0 decodes greedily.
+        truncation: top-k / top-p / min-p (logprobs.Truncation); the log-probs are renormalised over the kept set.
         generator: the torch.Generator used for sampling (on the model's device).
         ignore_eos: keep sampling past EOS (benchmarks, so every row has the same length).
         fast: the static-cache + CUDA-graph decoder of decoding.py; None picks it on CUDA where it applies.
@@ -126,6 +129,7 @@ def generate(
     kw = dict(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
+        truncation=truncation,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         generator=generator,
@@ -146,6 +150,7 @@ def sample(
     *,
     max_new_tokens: int,
     temperature: float,
+    truncation: Truncation | None,
     eos_token_id: int,
     pad_token_id: int,
     generator: torch.Generator | None,
@@ -174,13 +179,12 @@ def sample(
         # A diverged policy (train.py counts it as a non-finite step), before multinomial fails on it.
         if not torch.isfinite(logits).all():
             raise FloatingPointError("generate: the sampler's logits are not finite")
+        logp_all = torch.log_softmax(sampling_logits(logits, temperature, truncation), dim=-1)  # (N, V) log alpha
         if temperature > 0:
-            logp_all = torch.log_softmax(logits / temperature, dim=-1)  # (N, V) log alpha(. | prefix)
             nxt = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(1)  # (N,)
         else:
-            logp_all = torch.log_softmax(logits, dim=-1)  # (N, V)
             nxt = logits.argmax(dim=-1)  # (N,)
-        entropy = -(logp_all.exp() * logp_all).sum(dim=-1)  # (N,)
+        entropy = entropy_of(logp_all)  # (N,)
         nxt = torch.where(alive, nxt, torch.full_like(nxt, pad_token_id))  # (N,) pad after EOS
         tokens.append(nxt)
         logps.append(torch.where(alive, logp_all.gather(1, nxt.unsqueeze(1)).squeeze(1), torch.zeros_like(entropy)))

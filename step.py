@@ -186,6 +186,7 @@ def sample_cycle(cfg: Config, models: Models, tokenizer, start: int, draws: list
             max_rows=cfg.sample_rows,
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
+            truncation=cfg.truncation,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             generator=gen,
@@ -204,7 +205,7 @@ def sample_cycle(cfg: Config, models: Models, tokenizer, start: int, draws: list
                 batches.append(Sampled(ro, r, ro.alpha_logp, alpha_is_pi_k=True))  # the update records log pi_k
             else:
                 alpha_logp = chunked_token_logprobs(
-                    models.policy, ro.input_ids, ro.attention_mask, ro.completion_mask, cfg.temperature
+                    models.policy, ro.input_ids, ro.attention_mask, ro.completion_mask, cfg.temperature, cfg.truncation
                 )  # (N, T)
                 batches.append(Sampled(ro, r, alpha_logp, alpha_is_pi_k=False))
     times["logprob"] = clock(device) - t
@@ -323,9 +324,8 @@ def loss_fn(cfg: Config, logp, alpha_logp, pi_k_logp, ref_logp, advantages, loss
 def policy_logprobs(cfg: Config, policy, batch: Batch, rows=slice(None)) -> torch.Tensor:
     """log pi_theta (mb, T) of the batch's completions (rows), with grad when grad is enabled."""
     with autocast(cfg, batch.input_ids.device):
-        return chunked_token_logprobs(
-            policy, batch.input_ids[rows], batch.attention_mask[rows], batch.completion_mask[rows], cfg.temperature
-        )
+        ids, mask, completion_mask = batch.input_ids[rows], batch.attention_mask[rows], batch.completion_mask[rows]
+        return chunked_token_logprobs(policy, ids, mask, completion_mask, cfg.temperature, cfg.truncation)
 
 
 def ref_logprobs(cfg: Config, models: Models, ro: Rollout) -> torch.Tensor | None:
@@ -335,7 +335,9 @@ def ref_logprobs(cfg: Config, models: Models, ro: Rollout) -> torch.Tensor | Non
     ref = models.ref if models.ref is not None else models.policy
     adapter_off = models.policy.disable_adapter() if models.ref is None else contextlib.nullcontext()
     with torch.no_grad(), autocast(cfg, ro.input_ids.device), adapter_off:
-        return chunked_token_logprobs(ref, ro.input_ids, ro.attention_mask, ro.completion_mask, cfg.temperature)
+        return chunked_token_logprobs(
+            ref, ro.input_ids, ro.attention_mask, ro.completion_mask, cfg.temperature, cfg.truncation
+        )
 
 
 def sampler_mismatch(ro: Rollout, forward_alpha_logp: torch.Tensor, loss_mask: torch.Tensor) -> float:

@@ -19,8 +19,14 @@ objects and numbers are drawn with `WORDPROBLEM_SEED`, fixed for every run like 
 small real chat model (SmolLM2-135M-Instruct) gets some of these right where it gets bare `a-b=` wrong.
 Their instruction is INSTRUCTION without its example (`WORD_INSTRUCTION`: that model copies the example).
 
+`math`: MATH-style problems from a local JSONL (`--data-files`; MATH-500 and DeepScaleR files have this shape):
+`problem` and `answer` fields, or, without `answer`, the last `\\boxed{}` of `solution`. The gold is a LaTeX
+answer (`\\frac{\\sqrt{3}}{3}`, `(-\\infty, 2]`), scored by `reward.math_reward(..., symbolic=True)`; the
+prompt asks for the final answer in `\\boxed{}` (MATH_INSTRUCTION). Held-out problems come from `--eval-files`,
+else the file's first `eval_size` rows.
+
 Prompts use the tokenizer's chat template when it has one and ask for the final answer after
-`####`; the built-in tiny tokenizer has no template and sees the bare expression.
+`####` (in `\\boxed{}` for math); the built-in tiny tokenizer has no template and sees the bare expression.
 """
 
 import json
@@ -30,12 +36,14 @@ from pathlib import Path
 
 import torch
 
-from reward import parse_number
+from reward import extract_answer, parse_number
 
 HELDOUT_SEED = 1234  # fixes the arithmetic held-out split for every run
 ARITHMETIC_HELDOUT = 1000  # problems reserved for evaluation
 INSTRUCTION = "Solve the problem. Put the final answer on the last line after ####, e.g. '#### 42'."
-TASKS = ("arithmetic", "gsm8k", "wordproblems")
+# The usual instruction of R1-style math models (DeepSeek-R1, Qwen2.5-Math), which [A]'s Experiment 2 trains.
+MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+TASKS = ("arithmetic", "gsm8k", "wordproblems", "math")
 
 
 class TaskError(ValueError):
@@ -148,9 +156,39 @@ def gold_from_solution(answer: str) -> str | None:
     return gold if parse_number(gold) is not None else None
 
 
-def read_jsonl(path: str, flag: str = "--data-files") -> list[Problem]:
-    """GSM8K-style rows from a local JSONL file; anything wrong with it is a TaskError naming the flag, the file and,
-    for a bad row, its line."""
+def gsm8k_row(row: dict) -> Problem:
+    """A GSM8K row: `question`, and `answer` ending in `#### 42`. A bad row raises TaskError (the reason only)."""
+    if not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
+        raise TaskError("row needs string fields 'question' and 'answer'")
+    if not row["question"].strip():
+        raise TaskError("the question is empty")
+    gold = gold_from_solution(row["answer"])
+    if gold is None:
+        raise TaskError("answer has no parseable final number after '####'")
+    return Problem(row["question"], gold)
+
+
+def math_row(row: dict) -> Problem:
+    """A MATH-style row: `problem`, and `answer` (the gold as written) or else `solution`'s last `\\boxed{}`."""
+    if not isinstance(row.get("problem"), str) or not row["problem"].strip():
+        raise TaskError("row needs a non-empty string field 'problem'")
+    answer, solution = row.get("answer"), row.get("solution")
+    if answer is not None and not isinstance(answer, str):
+        raise TaskError("'answer' must be a string")
+    if answer is None:
+        if not isinstance(solution, str):
+            raise TaskError("row needs a string field 'answer', or 'solution' with a final \\boxed{} answer")
+        answer = extract_answer(solution)
+        if answer is None:
+            raise TaskError("no 'answer', and 'solution' has no final \\boxed{} answer")
+    if not answer.strip():
+        raise TaskError("the answer is empty")
+    return Problem(row["problem"], answer.strip(), MATH_INSTRUCTION)
+
+
+def read_jsonl(path: str, flag: str = "--data-files", parse_row=gsm8k_row) -> list[Problem]:
+    """Problems from a local JSONL file, a row each (`parse_row`: gsm8k_row or math_row); anything wrong with it is a
+    TaskError naming the flag, the file and, for a bad row, its line."""
     p = Path(path)
     if p.is_dir():
         raise TaskError(f"{flag} {path}: is a folder, not a JSONL file")
@@ -176,18 +214,12 @@ def read_jsonl(path: str, flag: str = "--data-files") -> list[Problem]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise TaskError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-        if (
-            not isinstance(row, dict)
-            or not isinstance(row.get("question"), str)
-            or not isinstance(row.get("answer"), str)
-        ):
-            raise TaskError(f"{path}:{i}: row needs string fields 'question' and 'answer'")
-        if not row["question"].strip():
-            raise TaskError(f"{path}:{i}: the question is empty")
-        gold = gold_from_solution(row["answer"])
-        if gold is None:
-            raise TaskError(f"{path}:{i}: answer has no parseable final number after '####'")
-        rows.append(Problem(row["question"], gold))
+        if not isinstance(row, dict):
+            raise TaskError(f"{path}:{i}: a row must be a JSON object")
+        try:
+            rows.append(parse_row(row))
+        except TaskError as e:
+            raise TaskError(f"{path}:{i}: {e}") from None
     if not rows:
         raise TaskError(f"{flag} {path}: file has no rows")
     return rows
@@ -215,11 +247,14 @@ def load_task(
         train, heldout = arithmetic_problems()
     elif task == "wordproblems":
         train, heldout = wordproblem_problems()
-    elif task == "gsm8k":
+    elif task in ("gsm8k", "math"):
+        parse_row = math_row if task == "math" else gsm8k_row
+        if task == "math" and not data_files:
+            raise TaskError("--task math reads a local JSONL of 'problem'/'answer' rows: give it with --data-files")
         if data_files:
-            train = read_jsonl(data_files)
+            train = read_jsonl(data_files, parse_row=parse_row)
             if eval_files:
-                heldout = read_jsonl(eval_files, "--eval-files")
+                heldout = read_jsonl(eval_files, "--eval-files", parse_row)
             else:
                 if len(train) <= eval_size:
                     raise TaskError(

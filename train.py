@@ -23,6 +23,7 @@ Deviations from [A]:
 """
 
 import contextlib
+import functools
 import json
 import random
 import signal
@@ -46,6 +47,7 @@ from checkpoint import (
 )
 from config import Config, ConfigError, config_from_args, parse_args, validate
 from decoding import sampling_path
+from logprobs import Truncation
 from policy import load_policy
 from reward import math_reward
 from rollout import Cycle, Rollout, generate
@@ -116,27 +118,67 @@ class PromptStream:
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, problems: list[Problem], max_new_tokens: int, device, batch_size: int = 256) -> float:
-    """Held-out greedy accuracy: the fraction of problems whose completion the verifier credits."""
+def evaluate(
+    model,
+    tokenizer,
+    problems: list[Problem],
+    max_new_tokens: int,
+    device,
+    reward=math_reward,
+    *,
+    samples: int = 1,
+    temperature: float = 0.0,
+    truncation: Truncation | None = None,
+    generator: torch.Generator | None = None,
+    batch_size: int = 256,
+) -> float:
+    """Held-out accuracy: the mean over problems of the mean reward of `samples` completions each ([A]'s "pass@1
+    over k samples"). The default, one greedy completion (temperature 0), is the usual held-out accuracy."""
     was_training = model.training
     model.eval()
     correct = 0.0
-    # Greedy (temperature 0): one completion per problem, the usual way to report accuracy. The same
-    # `generate` as training, so evaluation also exercises the sampling path the run uses.
+    # The same `generate` as training, so evaluation also exercises the sampling path the run uses.
     special = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    for s in range(0, len(problems), batch_size):
-        chunk = problems[s : s + batch_size]
+    sampling = dict(temperature=temperature, truncation=truncation, generator=generator)
+    per_call = max(1, batch_size // samples)  # problems per generate call: at most batch_size rows
+    for s in range(0, len(problems), per_call):
+        chunk = problems[s : s + per_call]
         ids, mask = encode_prompts(tokenizer, chunk, device)  # (b, P) left-padded
         try:
-            r = generate(model, ids, mask, group_size=1, max_new_tokens=max_new_tokens, temperature=0.0, **special)
+            r = generate(model, ids, mask, group_size=samples, max_new_tokens=max_new_tokens, **sampling, **special)
         except FloatingPointError:
             raise Diverged("held-out evaluation: the policy's logits are not finite; stopping") from None
-        # Tokens after EOS are padding; the verifier reads the decoded text only.
-        ids = torch.where(r.completion_mask.bool(), r.completion_ids, tokenizer.pad_token_id)  # (b, T)
+        # Tokens after EOS are padding; the verifier reads the decoded text only. Rows are group-major.
+        ids = torch.where(r.completion_mask.bool(), r.completion_ids, tokenizer.pad_token_id)  # (b * k, T)
         texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-        correct += sum(math_reward(t, p.gold) for t, p in zip(texts, chunk))
+        golds = [p.gold for p in chunk for _ in range(samples)]
+        correct += sum(reward(t, g) for t, g in zip(texts, golds)) / samples
     model.train(was_training)
     return correct / max(len(problems), 1)
+
+
+EVAL_SEED = 0x5EED  # the k evaluation samples' generator: seed + this, the same at every evaluation of the run
+
+
+def evaluation(cfg: Config, model, tokenizer, heldout: list[Problem], device) -> dict:
+    """The held-out metrics: eval_accuracy (greedy) and, with --eval-samples k, eval_pass1 (the mean accuracy of k
+    samples per problem). The samples draw from a generator of their own, seeded afresh each time: the training
+    sampler's stream is untouched, and every evaluation of the run sees the same noise."""
+    reward = reward_of(cfg.task)
+    out = {"eval_accuracy": evaluate(model, tokenizer, heldout, cfg.max_new_tokens, device, reward)}
+    if cfg.eval_samples:
+        gen = torch.Generator(device=device).manual_seed(cfg.seed + EVAL_SEED)
+        temperature = cfg.temperature if cfg.eval_temperature is None else cfg.eval_temperature
+        sampling = dict(samples=cfg.eval_samples, temperature=temperature, truncation=cfg.eval_truncation)
+        out["eval_pass1"] = evaluate(
+            model, tokenizer, heldout, cfg.max_new_tokens, device, reward, **sampling, generator=gen
+        )
+    return out
+
+
+def pass1_words(metrics: dict, k: int) -> str:
+    """The log's words for eval_pass1, when it was measured."""
+    return f"; pass@1 over {k} samples: {metrics['eval_pass1']:.3f}" if "eval_pass1" in metrics else ""
 
 
 NONFINITE_IN_A_ROW, NONFINITE_WINDOW, NONFINITE_IN_WINDOW = 3, 20, 4
@@ -162,15 +204,20 @@ def check_finite_weights(policy, when: str) -> None:
         raise Diverged(f"{when}: the policy's weights are not finite; stopping (try a lower --lr)")
 
 
-def verifier(tokenizer, problems: list[Problem], group_size: int):
-    """The training reward: `math_reward` of each decoded completion against its prompt's gold answer."""
+def reward_of(task: str):
+    """The task's verifier, (completion, gold) -> 0.0 or 1.0: reward.math_reward, symbolic for MATH-style answers."""
+    return functools.partial(math_reward, symbolic=True) if task == "math" else math_reward
+
+
+def verifier(tokenizer, problems: list[Problem], group_size: int, reward=math_reward):
+    """The training reward: `reward` of each decoded completion against its prompt's gold answer."""
     golds = [p.gold for p in problems for _ in range(group_size)]
 
     def reward_fn(ro: Rollout) -> torch.Tensor:
         # Rows are group-major: row i belongs to prompt i // G, whose gold answer is golds[i].
         ids = torch.where(ro.completion_mask.bool(), ro.completion_ids, tokenizer.pad_token_id)  # (N, T)
         texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-        return torch.tensor([math_reward(c, g) for c, g in zip(texts, golds)], device=ro.completion_ids.device)
+        return torch.tensor([reward(c, g) for c, g in zip(texts, golds)], device=ro.completion_ids.device)
 
     return reward_fn
 
@@ -195,7 +242,7 @@ def setup(cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: lis
 
 
 def checkpoint_state(
-    models: Models, gen, stream: PromptStream, cycle: Cycle | None, step: int, acc_start: float | None, wall: float
+    models: Models, gen, stream: PromptStream, cycle: Cycle | None, step: int, start: dict, wall: float
 ) -> dict:
     """Everything the next step reads, so that a resumed run continues bit for bit.
 
@@ -210,7 +257,8 @@ def checkpoint_state(
         "rng": rng_state(gen),
         "step": step,
         "data_position": stream.position,
-        "eval_accuracy_start": acc_start,
+        "eval_accuracy_start": start.get("eval_accuracy"),
+        "eval_pass1_start": start.get("eval_pass1"),
         "wall_s": wall,
     }
     if cycle is not None and cycle.covers(step):
@@ -221,8 +269,8 @@ def checkpoint_state(
 
 
 def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunWriter):
-    """Load the newest readable checkpoint into the models; returns (step, start accuracy, wall seconds, the
-    unfinished refresh cycle or None)."""
+    """Load the newest readable checkpoint into the models; returns (step, the start's held-out metrics, wall
+    seconds, the unfinished refresh cycle or None)."""
     # Complete means renamed into place after an fsync; a file damaged since (a truncated copy, a bad disk) is
     # passed over for the one before it, with a notice naming both.
     found = checkpoints(cfg.out)
@@ -249,7 +297,8 @@ def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunW
     # Steps after the checkpoint were logged by the run that died; they will be logged again.
     writer.truncate_metrics(ck["step"])
     writer.log(f"resumed from {path} at step {ck['step']}")
-    return ck["step"], ck["eval_accuracy_start"], ck["wall_s"], cycle
+    start = {"eval_accuracy": ck["eval_accuracy_start"], "eval_pass1": ck.get("eval_pass1_start")}
+    return ck["step"], {k: x for k, x in start.items() if x is not None}, ck["wall_s"], cycle
 
 
 def metrics_row(step: int, res: StepResult, group_size: int, wall_s: float, step_s: float, device) -> dict:
@@ -325,19 +374,24 @@ def run(cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: list[
     def draw(n: int) -> list:
         """The next n steps' prompts, in stream order, each with its verifier (a refresh samples them all)."""
         batches = [stream.next(cfg.prompts_per_step) for _ in range(n)]
-        return [(*encode_prompts(tokenizer, b, device), verifier(tokenizer, b, cfg.group_size)) for b in batches]
+        reward = reward_of(cfg.task)
+        return [
+            (*encode_prompts(tokenizer, b, device), verifier(tokenizer, b, cfg.group_size, reward)) for b in batches
+        ]
 
     # ---- resume, or evaluate the starting policy ----
-    # A resumed run keeps its wall clock and its start accuracy, so its summary reads like one run's.
+    # A resumed run keeps its wall clock and its start's held-out metrics, so its summary reads like one run's.
     start_step, wall_before, cycle = 0, 0.0, None
     if cfg.resume:
-        start_step, acc_start, wall_before, cycle = restore(cfg, models, gen, stream, writer)
+        start_step, start, wall_before, cycle = restore(cfg, models, gen, stream, writer)
     t0 = time.time() - wall_before
     if not cfg.resume:
-        # Greedy evaluation draws no random numbers: skipping it (--no-eval-start) leaves the run as it is.
-        acc_start = evaluate(models.policy, tokenizer, heldout, cfg.max_new_tokens, device) if cfg.eval_start else None
-    if acc_start is not None:
-        writer.log(f"held-out greedy accuracy before training: {acc_start:.3f} ({len(heldout)} problems)")
+        # Evaluation draws no random numbers from the sampler's generator: skipping it (--no-eval-start) leaves the
+        # run as it is.
+        start = evaluation(cfg, models.policy, tokenizer, heldout, device) if cfg.eval_start else {}
+    if start:
+        acc, pass1 = start["eval_accuracy"], pass1_words(start, cfg.eval_samples)
+        writer.log(f"held-out greedy accuracy before training: {acc:.3f} ({len(heldout)} problems){pass1}")
     # The bar counts from the resumed step, so its rate and time left are those of the remaining steps.
     bar_kw = dict(desc="grpo", dynamic_ncols=True, disable=not cfg.progress, initial=start_step, total=cfg.steps)
     bar = tqdm(range(start_step, cfg.steps), **bar_kw)
@@ -357,7 +411,7 @@ def run(cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: list[
         # Bookkeeping: the metrics row, held-out accuracy every --eval-every steps, the divergence guard.
         row = metrics_row(step, res, cfg.group_size, time.time() - t0, time.time() - t_step, device)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-            row["eval_accuracy"] = evaluate(models.policy, tokenizer, heldout, cfg.max_new_tokens, device)
+            row.update(evaluation(cfg, models.policy, tokenizer, heldout, device))
         writer.metrics(row)
         show(bar, row)
         if res.stats.get("nonfinite_updates"):
@@ -366,17 +420,18 @@ def run(cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: list[
         # No checkpoint of a non-finite step, nor of weights that are not finite: the newest one stays a good one.
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step not in nonfinite:
             check_finite_weights(models.policy, f"step {step}")
-            state = checkpoint_state(models, gen, stream, cycle, step + 1, acc_start, time.time() - t0)
+            state = checkpoint_state(models, gen, stream, cycle, step + 1, start, time.time() - t0)
             with signals_wait():
                 save_checkpoint(cfg.out, state, step + 1, cfg.keep_checkpoints)
 
     # ---- the end: held-out accuracy, summary.json, final/ and curves.png ----
     check_finite_weights(models.policy, "the end of the run")
-    acc_end = evaluate(models.policy, tokenizer, heldout, cfg.max_new_tokens, device)
-    summary = dict(eval_accuracy_start=acc_start, eval_accuracy_end=acc_end, steps=cfg.steps)
-    summary.update(wall_s=time.time() - t0, eval_size=len(heldout), out=str(writer.out))
+    end = evaluation(cfg, models.policy, tokenizer, heldout, device)
+    summary = {f"{k}_{when}": m.get(k) for k in end for when, m in (("start", start), ("end", end))}
+    summary.update(steps=cfg.steps, wall_s=time.time() - t0, eval_size=len(heldout), out=str(writer.out))
+    acc_start, acc_end = start.get("eval_accuracy"), end["eval_accuracy"]
     gain = "start not evaluated" if acc_start is None else f"start {acc_start:.3f}, {acc_end - acc_start:+.3f}"
-    writer.log(f"held-out greedy accuracy after training:  {acc_end:.3f} ({gain})")
+    writer.log(f"held-out greedy accuracy after training:  {acc_end:.3f} ({gain}){pass1_words(end, cfg.eval_samples)}")
     with signals_wait():
         writer.finish(models.policy, tokenizer, summary)
     return summary
