@@ -333,7 +333,8 @@ def plot(rows: list[dict], toy: dict, path: Path, recipe: str = "12-step") -> bo
     ax_v.set_xlabel("refresh period v (v = 1: on-policy, the shared baseline)")
     ax_v.set_ylabel("final held-out greedy accuracy (200 problems)")
     lr, steps = RECIPES[recipe]["lr"], RECIPES[recipe]["steps"]
-    ax_v.set_title(f"SmolLM2-135M-Instruct, LoRA recipe, lr {lr:g}, {steps} steps\n(mean ± std over seeds)", fontsize=10)
+    title = f"SmolLM2-135M-Instruct, LoRA recipe, lr {lr:g}, {steps} steps\n(mean ± std over seeds)"
+    ax_v.set_title(title, fontsize=10)
     ax_v.grid(alpha=0.3)
     ax_v.legend(fontsize=8)
     labels, k = [], 0

@@ -26,7 +26,7 @@ import run_io
 import tasks
 import train
 from config import Config, ConfigError, resolve
-from conftest import ROOT
+from conftest import ROOT, needs, shared_data
 from logprobs import chunked_token_logprobs
 from objective import aggregation_total, policy_loss
 from reward import math_reward
@@ -444,3 +444,21 @@ def test_two_grpo_steps_at_v2_are_finite_move_the_weights_and_log_a_full_row(
     tiny_model, tiny_tok = load_tiny(warm_cache, tiny_cfg.warmup_steps, log=lambda m: None)
     tiny_rows, _ = run_two_steps(tiny_cfg, tiny_model, tiny_tok, monkeypatch)
     assert [sorted(r) for r in rows] == [sorted(r) for r in tiny_rows]
+
+
+@real
+def test_a_math_run_with_top_p_and_pass1_over_k_runs_end_to_end(smollm2, smollm2_gguf, tmp_path, monkeypatch):
+    """--task math on MATH-500 with R1-style sampling (T 0.6, top-p 0.95) and pass@1 over 2 samples: two steps, the
+    symbolic verifier scoring, every log-prob truncated as the sampler is (sampler_mismatch ~ 0)."""
+    needs("math_verify", "math")
+    model, tok = smollm2
+    data = str(shared_data("math500", "test.jsonl"))
+    kw = dict(steps=2, prompts_per_step=2, group_size=2, max_new_tokens=12, eval_size=2, eval_every=0, lr=1e-5)
+    kw |= dict(temperature=0.6, top_p=0.95, eval_samples=2, device="cpu", progress=False)
+    cfg = resolve(Config(model=str(smollm2_gguf), task="math", data_files=data, out=str(tmp_path / "m"), **kw))
+    monkeypatch.setattr(train, "load_policy", lambda cfg, log=print: (copy.deepcopy(model), tok))
+    summary = train.train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and summary["eval_size"] == 2
+    assert 0.0 <= summary["eval_pass1_end"] <= 1.0 and 0.0 <= summary["eval_accuracy_end"] <= 1.0
+    assert rows[0].get("sampler_mismatch", 0.0) < 1e-3
