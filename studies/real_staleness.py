@@ -170,10 +170,7 @@ def claim(cfg: Config) -> Path | None:
 def collect(args, jobs: list[tuple[str, dict]]) -> list[dict]:
     """The CSV rows of every finished run of the grid, in grid order: the run records are the truth."""
     return [
-        row
-        for c, ch in jobs
-        if runner.finished(cfg := config(args, c, ch))
-        for row in rows_of(cfg, c, runs_dir(args))
+        row for c, ch in jobs if runner.finished(cfg := config(args, c, ch)) for row in rows_of(cfg, c, runs_dir(args))
     ]
 
 
