@@ -88,21 +88,17 @@ def test_numeric_mode_keeps_its_rules(completion, gold, expected):
 
 
 @pytest.mark.parametrize("symbolic", [False, True])
-def test_gsm8k_golds_in_both_modes_fast(symbolic):
-    # A numeric gold never needs math-verify, in either mode: both stay well under 1 ms a call.
+def test_gsm8k_golds_in_both_modes(symbolic):
+    # A numeric gold is read as a number in either mode (its speed: benchmarks/verifier_probe.py).
     if symbolic:
         needs("math_verify", "math")  # symbolic=True imports it at its first call, whatever the input
     rows = [json.loads(line) for line in shared_data("gsm8k", "test.jsonl").read_text().splitlines() if line.strip()]
-    times = []
     for row in rows[:300]:
         reasoning, gold = row["answer"].rsplit("####", 1)
         gold = gold.strip().replace(",", "")
-        t0 = time.perf_counter()
         assert math_reward(f"{reasoning}\n#### {gold}", gold, symbolic=symbolic) == 1.0
         assert math_reward(f"{reasoning}\nThe answer is \\boxed{{{gold}}}.", gold, symbolic=symbolic) == 1.0
         assert math_reward(f"{reasoning}\n#### {int(gold) + 1}", gold, symbolic=symbolic) == 0.0
-        times.append(time.perf_counter() - t0)
-    assert sorted(times)[int(0.99 * len(times))] < 0.01  # three calls, even on a busy CPU
 
 
 # ---------------------------------------------------------------- answer types, hand-written
