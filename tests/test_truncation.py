@@ -74,7 +74,7 @@ def test_greedy_and_untruncated_logits_are_the_same_floats_as_before():
     assert torch.equal(sampling_logits(logits, 0.0, Truncation(top_k=2)), logits.float())  # greedy: whole
 
 
-def batch(tok, model, truncation, temperature=0.9, seed=0):
+def batch(tok, model, truncation, temperature=0.9, seed=0, fast=False):
     ids, mask = encode_prompts(tok, [Problem("12+34=", "46"), Problem("7*8=", "56")], "cpu")
     gen = torch.Generator().manual_seed(seed)
     return generate(
@@ -88,14 +88,16 @@ def batch(tok, model, truncation, temperature=0.9, seed=0):
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         generator=gen,
-        fast=False,
+        fast=fast,
     )
 
 
 @pytest.mark.model
+@pytest.mark.parametrize("fast", [False, True], ids=["plain", "static-cache"])
 @pytest.mark.parametrize("truncation", [Truncation(top_p=0.8), Truncation(top_k=3), Truncation(top_k=5, min_p=0.05)])
-def test_the_sampler_draws_from_the_kept_set_and_records_its_renormalised_log_probs(model, tok, truncation):
-    ro = batch(tok, model, truncation)
+def test_the_sampler_draws_from_the_kept_set_and_records_its_renormalised_log_probs(model, tok, truncation, fast):
+    """Both samplers: rollout.sample (the reference) and decoding.sample_static (on CPU without graph capture)."""
+    ro = batch(tok, model, truncation, fast=fast)
     cm = ro.completion_mask.bool()
     textbook = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 0.9, truncation)
     # The sampler's log alpha is the forward's renormalised one (the KV-cached loop against one full pass) ...
