@@ -59,9 +59,8 @@ Each answer is compared with the gold in these steps; the first that decides, de
      again once they are off (`90^\\circ` and `90.0`);
   d. math-verify (H. Kydlicek, HuggingFace): `parse` of the answer string alone, wrapped in
      `\\boxed{}` so that it reads exactly that string and never picks a number out of the reasoning,
-     then `verify(gold, answer)`, each under a time limit of `MV_TIMEOUT_S`: math-verify's own in the
-     main thread (`signal.alarm`, whole seconds), and in other threads, where `signal.alarm` raises
-     ValueError, a watchdog that raises math-verify's TimeoutException in the thread (`_limited`).
+     then `verify(gold, answer)`, each under math-verify's own time limit of `MV_TIMEOUT_S` (`signal.alarm`,
+     whole seconds: the main thread only; elsewhere a call that reaches math-verify raises RuntimeError).
      Parses and verdicts are cached (a GRPO group repeats its gold and often its answers).
 Guards (S1-S3 are each a case where math-verify alone credits a wrong answer):
   S1. No decimal approximations: decimal literals become exact fractions before math-verify sees
@@ -90,11 +89,10 @@ Guards (S1-S3 are each a case where math-verify alone credits a wrong answer):
       time limit, or in C, where no limit reaches); math-verify's exceptions are caught broadly (it
       wraps latex2sympy, ANTLR and sympy, which raise many types). No new math-verify step starts after
       `SYMBOLIC_BUDGET_S` in one call, so one call takes at most about that plus three time limits.
-Without math-verify installed, `symbolic=True` raises ImportError at its first call: a set-up error,
-not an input (config.py checks for it when `--task math` is chosen).
+Without math-verify installed, `symbolic=True` raises ImportError at its first call, and outside the main
+thread RuntimeError: set-up errors, not inputs (config.py checks for math-verify when `--task math` is chosen).
 """
 
-import ctypes
 import re
 import threading
 import time
@@ -559,41 +557,12 @@ def _math_verify():
     return parse, verify, TimeoutException
 
 
-def _limited(call, default, main_thread: bool):
-    """`call(limit)`, a math-verify step, under the time limit `MV_TIMEOUT_S`; `default` if it raises.
-
-    In the main thread the limit is math-verify's own (`limit` = its timeout argument: `signal.alarm`,
-    whole seconds). Elsewhere `signal.alarm` raises ValueError, so `call(None)` runs under a watchdog
-    with the same effect: a timer thread raises math-verify's TimeoutException in this thread
-    (`PyThreadState_SetAsyncExc`, delivered between bytecodes, as a signal handler's exception is), which
-    math-verify catches as its own timeout. Without the watchdog, `(x+1)^{9999}` keeps sympy busy for
-    minutes. Neither limit interrupts one long call into C.
-    """
+def _limited(call, default):
+    """`call(MV_TIMEOUT_S)`, a math-verify step under its own time limit (`signal.alarm`, whole seconds); `default`
+    if it raises or runs out of time. Called in the main thread only (`_symbolic_equal` checks)."""
     _, _, TimeoutException = _math_verify()
     try:
-        if main_thread:
-            return call(MV_TIMEOUT_S)
-        thread, lock, state = threading.get_ident(), threading.Lock(), {"running": True, "fired": False}
-
-        def fire():
-            with lock:
-                if state["running"]:
-                    state["fired"] = True
-                    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                        ctypes.c_ulong(thread), ctypes.py_object(TimeoutException)
-                    )
-
-        timer = threading.Timer(MV_TIMEOUT_S, fire)
-        timer.daemon = True
-        timer.start()
-        try:
-            return call(None)
-        finally:
-            with lock:
-                state["running"] = False
-            timer.cancel()
-            if state["fired"]:  # fired as the call returned: withdraw the exception if still pending
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), None)
+        return call(MV_TIMEOUT_S)
     except (Exception, TimeoutException):
         # Broad on purpose: math-verify wraps latex2sympy, ANTLR and sympy, which raise many types
         # (ValueError, TypeError, RecursionError, sympy's own, ...); any of them means "no", never a
@@ -602,27 +571,25 @@ def _limited(call, default, main_thread: bool):
 
 
 @lru_cache(maxsize=4096)
-def _mv_parse(latex: str, main_thread: bool) -> tuple:
+def _mv_parse(latex: str) -> tuple:
     """math-verify's parse of one answer string (a tuple, empty when it cannot parse it). Cached: the
     gold of a group is parsed once for its G completions."""
     parse, _, _ = _math_verify()
     # Wrapped in \boxed{} so that math-verify reads exactly this string, never a number of its choice
     # from elsewhere; no fallback, so a string that does not parse yields nothing, not itself.
     text = "\\boxed{" + latex + "}"
-    return _limited(
-        lambda limit: tuple(parse(text, fallback_mode="no_fallback", parsing_timeout=limit)), (), main_thread
-    )
+    return _limited(lambda limit: tuple(parse(text, fallback_mode="no_fallback", parsing_timeout=limit)), ())
 
 
 @lru_cache(maxsize=4096)
-def _mv_equal(answer: str, gold: str, main_thread: bool) -> bool:
+def _mv_equal(answer: str, gold: str) -> bool:
     """math-verify's verdict on two cleaned strings. Cached: a group repeats its answers."""
     _, verify, _ = _math_verify()
-    g, a = _mv_parse(gold, main_thread), _mv_parse(answer, main_thread)
+    g, a = _mv_parse(gold), _mv_parse(answer)
     if not g or not a:
         # One side does not parse: equal only as the same text (whitespace runs count as one space).
         return " ".join(answer.split()) == " ".join(gold.split())
-    return _limited(lambda limit: verify(list(g), list(a), timeout_seconds=limit) is True, False, main_thread)
+    return _limited(lambda limit: verify(list(g), list(a), timeout_seconds=limit) is True, False)
 
 
 def _split_top(s: str) -> list[str] | None:
@@ -698,7 +665,11 @@ def _symbolic_equal(answer: str, gold: str, deadline: float) -> bool:
     a, g = _exact_decimals(a), _exact_decimals(g)
     if not a or not g or _unsafe(a) or _unsafe(g) or time.monotonic() > deadline:
         return False
-    return _mv_equal(a, g, threading.current_thread() is threading.main_thread())
+    if threading.current_thread() is not threading.main_thread():
+        # math-verify's time limit is a signal, which only the main thread can set; without a limit one answer
+        # ((x+1)^{9999}) keeps sympy busy for minutes. A set-up error, like a missing math-verify: not a 0.
+        raise RuntimeError("reward.math_reward(symbolic=True) needs the main thread (math-verify's time limit)")
+    return _mv_equal(a, g)
 
 
 def _symbolic_reward(completion: str, gold: str) -> float:

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from studies import runner
+from studies import real_staleness, runner
 
 ARMS = ("on-policy", "v4")
 GGUF = "~/.cache/offpolicy-grpo/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -123,7 +123,7 @@ def finals(runs_dir: Path) -> dict[tuple[str, int], float]:
 
 def our_finals(csv: Path) -> dict[tuple[str, int], float]:
     """(arm, seed) -> our final accuracy for the rows OURS names, from the 12-step study's CSV."""
-    rows = runner.read_csv(csv, ints={"offpolicy_steps", "seed", "step"}, texts={"correction", "clip_center"})
+    rows = real_staleness.read_rows(csv)
     last = {}
     for r in rows:
         for arm, (correction, v) in OURS.items():
@@ -156,6 +156,8 @@ def table(trl: dict, ours: dict) -> str:
             lines.append(f"| {name} | {s} | {cells[0]} | {cells[1]} | {f'{g[s]:+.3f}' if s in g else '—'} |")
         if g:
             summary.append(f"{name}: gap {runner.mean_sd(list(g.values()), signed=True)} over {len(g)} seed(s)")
+        else:
+            summary.append(f"{name}: no seed with both arms recorded yet")
     return "\n".join(lines) + "\n\n" + "\n".join(f"- {line}" for line in summary) + "\n"
 
 

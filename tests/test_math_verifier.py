@@ -394,27 +394,23 @@ def test_s5_hostile_inputs_without_a_box_score_as_in_numeric_mode(mv):
     assert [c[-60:] for c, g in pairs if math_reward(c, g, symbolic=True) != 0.0] == []
 
 
-def test_outside_the_main_thread(mv):
-    # math-verify's time limit is a signal, which only the main thread may set; elsewhere reward.py's watchdog
-    # stands in. Without it `(x+1)^{9999}` against `x^2` keeps sympy busy for minutes in a thread.
-    results, times = [], []
+def test_outside_the_main_thread_only_numbers_are_compared(mv):
+    # math-verify's time limit is a signal, which only the main thread may set: elsewhere a comparison that needs
+    # it is a set-up error (RuntimeError), never an unlimited sympy call; plain numbers need no math-verify.
+    results = []
 
     def work():
-        for answer, gold in [
-            ("\\frac{1}{\\sqrt{3}}", "\\frac{\\sqrt{3}}{3}"),
-            ("0.5774", "\\frac{\\sqrt{3}}{3}"),
-            ("10^{10^{10^{10}}}", "5"),
-            ("(x+1)^{9999}", "x^2"),
-        ]:
-            t0 = time.perf_counter()
-            results.append(sym(answer, gold))
-            times.append(time.perf_counter() - t0)
+        results.append(sym("\\frac{3}{6}", "0.5"))
+        try:
+            sym("\\frac{1}{\\sqrt{3}}", "\\frac{\\sqrt{3}}{3}")
+        except RuntimeError as e:
+            results.append(str(e))
 
     t = threading.Thread(target=work, daemon=True)
     t.start()
     t.join(timeout=60)
-    assert results == [1.0, 0.0, 0.0, 0.0]
-    assert max(times) < 3 * reward_budget()
+    assert results == [1.0, "reward.math_reward(symbolic=True) needs the main thread (math-verify's time limit)"]
+    assert sym("\\frac{1}{\\sqrt{3}}", "\\frac{\\sqrt{3}}{3}") == 1.0  # the main thread compares it
 
 
 # ---------------------------------------------------------------- the probe script

@@ -216,7 +216,7 @@ def test_the_prompt_is_the_chat_template_with_the_generation_prompt(smollm2):
 def test_nothing_of_the_template_reaches_the_verifier(smollm2, monkeypatch):
     model, tok = smollm2
     seen = []
-    monkeypatch.setattr(train, "math_reward", lambda text, gold: seen.append(text) or math_reward(text, gold))
+    reading = lambda text, gold: seen.append(text) or math_reward(text, gold)  # noqa: E731  what the verifier reads
     eos = tok.eos_token_id
     # A completion written by hand: "#### 12", then <|im_end|> (the end), then padding (also <|im_end|>).
     answer = tok("#### 12", add_special_tokens=False)["input_ids"]
@@ -225,7 +225,7 @@ def test_nothing_of_the_template_reaches_the_verifier(smollm2, monkeypatch):
     keep = (torch.arange(ids.shape[1]) < n).long().repeat(2, 1)  # (2, T) through the first <|im_end|>
     zeros = torch.zeros(ids.shape)
     ro = Rollout(ids[:, :1], torch.ones(2, 1, dtype=torch.long), ids, keep, zeros, zeros, torch.tensor([False] * 2))
-    rewards = train.verifier(tok, [Problem("q", "12")], 2)(ro)
+    rewards = train.verifier(tok, [Problem("q", "12")], 2, reading)(ro)
     assert seen == ["#### 12", "#### 1"] and rewards.tolist() == [1.0, 0.0]
     # Sampled completions of the real model: what the verifier reads holds no template token.
     seen.clear()
@@ -240,7 +240,7 @@ def test_nothing_of_the_template_reaches_the_verifier(smollm2, monkeypatch):
         generator=torch.Generator().manual_seed(0),
         **special(tok),
     )
-    train.verifier(tok, WORD[:2], 2)(ro)
+    train.verifier(tok, WORD[:2], 2, reading)(ro)
     assert len(seen) == 4
     for text, row, keep in zip(seen, ro.completion_ids, ro.completion_mask):
         assert "<|im_" not in text and "<|endoftext|>" not in text

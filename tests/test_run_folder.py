@@ -385,11 +385,12 @@ def test_help_is_grouped_shows_the_allowed_values_and_each_default_once():
     text = config.build_parser().format_help()
     for group in ("model and data:", "sampling:", "objective:", "optimisation:", "run:"):
         assert f"\n{group}\n" in text
-    assert "--clip-center {pi_k,alpha,decoupled}" in text and "--task {arithmetic,gsm8k,wordproblems}" in text
+    assert "--clip-center {pi_k,alpha,decoupled}" in text and "--task {arithmetic,gsm8k,wordproblems,math}" in text
     assert text.count("(default: 400)") == 1 and "%(default)" not in text
     for action in config.build_parser()._actions:  # each default once: argparse adds none of its own
         assert (action.help or "").count("default") <= 1, action.help
-    assert len(text.splitlines()) < 160 and text.startswith("usage: python train.py [flags]")
+    # About three lines a flag at most (59 flags): a help page, not a manual (docs/flags.md explains each group).
+    assert len(text.splitlines()) < 3 * len(config.fields(config.Config)) and text.startswith("usage: python train.py")
 
 
 def test_output_files_follow_the_users_umask(tmp_path, warm_cache, main):
