@@ -64,8 +64,19 @@ _FRAC_NUM = re.compile(r"\\[dt]?frac\s*(?:\{(-?[0-9]+)\}|([0-9]))\s*(?:\{([0-9]+
 _MIXED = re.compile(r"([0-9]+)\s*\\frac\{([0-9]+)\}\{([0-9]+)\}")
 
 
+def distinct(items: list[tuple[str, str]], gold: str) -> list[tuple[str, str]]:
+    """(rule, text) items, the first of each text kept, none equal to the gold as written."""
+    seen, unique = {gold}, []
+    for rule, text in items:
+        if text not in seen:
+            seen.add(text)
+            unique.append((rule, text))
+    return unique
+
+
 def depth_split(s: str, seps: str) -> list[str]:
-    """`s` split at the characters of `seps` that are outside every bracket ({, (, [)."""
+    """`s` split at the characters of `seps` that are outside every bracket ({, (, [). Written here, not imported
+    from reward.py (`_split_top`): the probe builds its items without the code it tests."""
     parts, depth, start = [], 0, 0
     for i, ch in enumerate(s):
         if ch in "{([":
@@ -460,12 +471,7 @@ def equal_rewritings(gold: str, problem: str, kind: str) -> list[tuple[str, str]
         if m.group(1) == "cot":
             add("cos over sin", f"\\frac{{\\cos {m.group(2)}}}{{\\sin {m.group(2)}}}")
             add("one over tan", f"\\frac{{1}}{{\\tan {m.group(2)}}}")
-    seen, unique = {g}, []
-    for rule, text in out:
-        if text not in seen:
-            seen.add(text)
-            unique.append((rule, text))
-    return unique
+    return distinct(out, g)
 
 
 # ---------------------------------------------------------------- wrong, approximate, unit, hedge
@@ -526,12 +532,7 @@ def wrong_answers(gold: str, kind: str, text_golds: list[str]) -> list[tuple[str
         out.append(("another base", f"{m.group(1)}_{{{int(m.group(2)) + 1}}}"))
     if inc is None and not out:
         out.append(("plus one", f"{g} + 1"))
-    seen, unique = {g}, []
-    for rule, text in out:
-        if text not in seen:
-            seen.add(text)
-            unique.append((rule, text))
-    return unique
+    return distinct(out, g)
 
 
 def approximations(gold: str, kind: str) -> list[tuple[str, str]]:
