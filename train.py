@@ -302,7 +302,7 @@ def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunW
 
 
 def metrics_row(step: int, res: StepResult, group_size: int, wall_s: float, step_s: float, device) -> dict:
-    """The step's line of metrics.jsonl (README, "Metrics")."""
+    """The step's line of metrics.jsonl (docs/metrics.md)."""
     # Means over the step's N samples or its completion tokens; the clip and rho' figures are update()'s.
     ro, rewards = res.rollout, res.rewards
     groups = rewards.view(-1, group_size)  # (B, G)
