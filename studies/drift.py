@@ -1,6 +1,7 @@
 """Drift against gap: how far each stale run's policy moved from its sampler, set against the accuracy it lost.
 
-    python -m studies.drift          # table and picture from the committed records (no training)
+    python -m studies.drift              # table and picture from the committed records (no training)
+    python -m studies.drift --by-recipe  # the 12-step and the gentle recipe side by side (drift_by_recipe.md)
 
 Reads the 22 run records of the real-model staleness study (studies/real_staleness.py, results/real_staleness/:
 SmolLM2-135M-Instruct, LoRA, 12 steps; v = 1 once per seed, then v in {4, 8} x five corrections, seeds 0 and 1).
@@ -25,6 +26,11 @@ rho' p99 with gap, each with a bootstrap 95% interval (runs resampled with repla
 seed, the 2.5th and 97.5th percentiles). The arm names "current" and "behaviour" are historical: they are
 --clip-center pi_k and --clip-center alpha. Writes results/drift_vs_gap.md and results/drift_vs_gap.png
 (matplotlib, the `plot` extra; without it the picture is skipped).
+
+`--by-recipe` sets the study's recipes side by side (results/<the recipe's stem>/: the 12-step one above and the
+gentle one, lr 1e-4 over 24 steps): for each (arm, v) that every recipe ran, each recipe's gap per seed, its mean
+and sample std over seeds, and the mean over those runs of drift k3 and rho' p99; with each recipe's v = 1 finals.
+It writes results/drift_by_recipe.md.
 """
 
 import argparse
@@ -36,6 +42,7 @@ import sys
 from pathlib import Path
 
 from studies import real_staleness as rs
+from studies import runner
 
 RESAMPLES = 10_000
 SEED = 0
@@ -215,6 +222,57 @@ def table(rows: list[dict], corr: dict[str, tuple], resamples: int = RESAMPLES, 
     return "\n".join(lines) + "\n"
 
 
+def mean_of(xs: list) -> float | None:
+    """The mean of the values that are not None (None if there are none)."""
+    have = [x for x in xs if x is not None]
+    return statistics.fmean(have) if have else None
+
+
+def baseline_finals(runs_dir: Path) -> dict[int, float]:
+    """seed -> the final held-out accuracy of that seed's finished v = 1 run."""
+    out = {}
+    for run in sorted(p.parent for p in runs_dir.glob("*/summary.json")):
+        config, _, summary = read_record(run)
+        if config["offpolicy_steps"] == 1:
+            out[config["seed"]] = summary["eval_accuracy_end"]
+    return out
+
+
+def by_recipe_table(rows: dict[str, list[dict]], baselines: dict[str, dict[int, float]]) -> str:
+    """Markdown: each recipe's v = 1 finals; then, for each (arm, v) every recipe ran, a row per recipe with its
+    gap per seed, the gaps' mean ± sample std, and the mean over those runs of drift k3 and rho' p99.
+
+    `rows` is recipe -> `collect`'s rows; `baselines` recipe -> `baseline_finals`."""
+    fmt = lambda x, spec: "—" if x is None else format(x, spec)
+    lines = ["| recipe | v = 1 final, by seed | mean ± sd |", "|---|---|---:|"]
+    for name, finals in baselines.items():
+        by_seed = ", ".join(f"s{s} {acc:.3f}" for s, acc in sorted(finals.items()))
+        lines.append(f"| {name} | {by_seed or '—'} | {runner.mean_sd(list(finals.values())) if finals else '—'} |")
+    cells = [(r["arm"], r["v"]) for r in next(iter(rows.values()))]
+    cells = [c for c in dict.fromkeys(cells) if all(any((r["arm"], r["v"]) == c for r in rr) for rr in rows.values())]
+    lines += [
+        "",
+        "| arm | v | recipe | gap by seed | gap mean ± sd | drift k3 | rho' p99 |",
+        "|---|---:|---|---|---:|---:|---:|",
+    ]
+    for arm, v in cells:
+        for name, rr in rows.items():
+            runs = [r for r in rr if (r["arm"], r["v"]) == (arm, v)]
+            by_seed = ", ".join(f"s{r['seed']} {r['gap']:+.3f}" for r in runs)
+            lines.append(
+                f"| {arm} | {v} | {name} | {by_seed} | {runner.mean_sd([r['gap'] for r in runs], signed=True)} "
+                f"| {fmt(mean_of([r['drift_k3'] for r in runs]), '.4f')} "
+                f"| {fmt(mean_of([r['rho_p99'] for r in runs]), '.3f')} |"
+            )
+    lines += [
+        "",
+        "gap: final held-out accuracy (200 problems) minus the same seed's v = 1 run's; mean ± sample std over "
+        "seeds. drift k3 and rho' p99: as in drift_vs_gap.md, each run's mean over its stale steps, then the mean "
+        "over the cell's runs. Arms `current` and `behaviour` are --clip-center pi_k and --clip-center alpha.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def plot(rows: list[dict], path: Path) -> bool:
     """Gap against drift k3, a point per off-policy run: colour by arm, marker by v."""
     try:
@@ -259,7 +317,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default="results", help="where drift_vs_gap.md and .png go")
     p.add_argument("--resamples", type=int, default=RESAMPLES, help="bootstrap resamples")
     p.add_argument("--seed", type=int, default=SEED, help="bootstrap seed")
+    p.add_argument("--by-recipe", action="store_true", help="the recipes side by side: drift_by_recipe.md")
     args = p.parse_args(argv)
+    if args.by_recipe:
+        dirs = {name: Path("results") / stem for name, stem in rs.STEMS.items()}
+        rows = {name: collect(d) for name, d in dirs.items()}
+        text = by_recipe_table(rows, {name: baseline_finals(d) for name, d in dirs.items()})
+        path = Path(args.out_dir) / "drift_by_recipe.md"
+        path.write_text(text)
+        print(f"{text}\nwrote {path}")
+        return 0
     rows = collect(Path(args.runs_dir))
     if len(rows) < 3:
         print(f"{len(rows)} finished off-policy runs with a v = 1 run of their seed under {args.runs_dir}: too few")

@@ -123,3 +123,24 @@ def test_the_committed_table_rows_are_the_committed_records():
     runs = [line for line in drift.table(rows, placeholder).splitlines() if line.startswith("| ")]
     runs = runs[1 : 1 + len(rows)]  # the per-run rows, after the header
     assert len(runs) == 20 and all(line in committed for line in runs)
+
+
+def test_the_recipes_side_by_side_give_each_cells_gaps_their_spread_and_drift(tmp_path):
+    """Two recipes' synthetic records; every figure of the table written out by hand."""
+    for recipe, ends in (("12-step", (0.30, 0.50, 0.10, 0.40)), ("gentle", (0.40, 0.40, 0.35, 0.30))):
+        d = tmp_path / recipe
+        write_run(d / "baseline-v1-s0", v=1, seed=0, end=ends[0])
+        write_run(d / "baseline-v1-s1", v=1, seed=1, end=ends[1])
+        write_run(d / "current-v4-s0", v=4, seed=0, end=ends[2])
+        write_run(d / "current-v4-s1", v=4, seed=1, end=ends[3])
+    write_run(tmp_path / "12-step" / "rec-v8-s0", v=8, seed=0, end=0.2)  # a cell only one recipe ran: no row
+    rows = {name: drift.collect(tmp_path / name) for name in ("12-step", "gentle")}
+    finals = {name: drift.baseline_finals(tmp_path / name) for name in ("12-step", "gentle")}
+    assert finals == {"12-step": {0: 0.30, 1: 0.50}, "gentle": {0: 0.40, 1: 0.40}}
+    text = drift.by_recipe_table(rows, finals)
+    assert "| 12-step | s0 0.300, s1 0.500 | 0.400 ± 0.141 |" in text  # sd of (0.3, 0.5) = 0.1 * sqrt(2)
+    # 12-step gaps: 0.10 - 0.30 = -0.20 and 0.40 - 0.50 = -0.10; gentle: -0.05 and -0.10. METRICS' stale-step
+    # means at v = 4 are k3 0.0275 and rho' p99 1.3 in every run (the first test's hand arithmetic).
+    assert "| current | 4 | 12-step | s0 -0.200, s1 -0.100 | -0.150 ± 0.071 | 0.0275 | 1.300 |" in text
+    assert "| current | 4 | gentle | s0 -0.050, s1 -0.100 | -0.075 ± 0.035 | 0.0275 | 1.300 |" in text
+    assert "| rec |" not in text
