@@ -24,7 +24,8 @@ end; the start is the base model's, 0.070 in every run of the 12-step study.
 
 Records (config.json: the TRL arguments that differ from TRL's defaults; metrics.jsonl: TRL's log history;
 summary.json) go to results/trl_staleness/<arm>-s<seed>/; the table compares the gap v4 - on-policy, per seed,
-with ours from results/real_staleness.csv.
+with ours from results/real_staleness.csv, then sets what each run's steps saw side by side (training reward,
+groups with equal rewards, clipped tokens; STEP_KEYS), ours from the records in results/real_staleness/.
 """
 
 import argparse
@@ -60,6 +61,13 @@ TRL_RECIPE = dict(
 LORA = dict(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
 EVAL_SIZE, MAX_NEW_TOKENS = 200, 48
 OURS = {"on-policy": ("all (v=1 baseline)", 1), "v4": ("behaviour", 4)}  # real_staleness.csv's rows to compare
+# What the optimizer steps saw, under the name each implementation logs it (metrics.jsonl, a row per step; a tuple
+# is summed). Both count clipped tokens over their own loss tokens: TRL's include the zero-advantage tokens of
+# groups whose rewards were all equal, ours leave those groups out (--mask-zero-std), so TRL's share is diluted.
+STEP_KEYS = {
+    "trl": {"reward": "reward", "zero_std": "frac_reward_zero_std", "clipped": ("clip_ratio/region_mean",)},
+    "ours": {"reward": "reward", "zero_std": "zero_std_frac", "clipped": ("clip_low", "clip_high")},
+}
 
 
 def trl_arguments(arm: str, seed: int, out: Path) -> dict:
@@ -139,6 +147,42 @@ def gaps(f: dict[tuple[str, int], float]) -> dict[int, float]:
     return {s: f["v4", s] - f["on-policy", s] for (arm, s) in f if arm == "v4" and ("on-policy", s) in f}
 
 
+def step_means(metrics: Path, keys: dict[str, tuple | str]) -> dict[str, float | None]:
+    """Each quantity's mean over the steps of a metrics.jsonl that logged it (None if none did). TRL's log
+    history ends with a summary row (train_runtime, ...) that has none of them; our skipped steps (every group's
+    rewards equal: no update) log a reward but no clip."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    out = {}
+    for name, key in keys.items():
+        parts = key if isinstance(key, tuple) else (key,)
+        values = [sum(r[k] for k in parts) for r in rows if all(r.get(k) is not None for k in parts)]
+        out[name] = sum(values) / len(values) if values else None
+    return out
+
+
+def steps_table(trl_runs: Path, our_runs: Path, seeds: list[int]) -> str:
+    """Markdown: per run of both implementations, the mean over its steps of the training reward, the share of
+    groups whose rewards were all equal, and the share of clipped tokens; ours for `seeds`."""
+    lines = [
+        "| implementation | arm | seed | train reward | groups with equal rewards | clipped tokens |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    fmt = lambda x, spec: "—" if x is None else format(x, spec)
+    runs = [("stock TRL", arm, seed, trl_runs / f"{arm}-s{seed}", STEP_KEYS["trl"]) for arm, seed in finals(trl_runs)]
+    for arm, (correction, v) in OURS.items():
+        for seed in seeds:
+            run = our_runs / real_staleness.run_name(correction, dict(offpolicy_steps=v, seed=seed))
+            runs.append(("this repository", arm, seed, run, STEP_KEYS["ours"]))
+    for name, arm, seed, run, keys in runs:
+        if (run / "metrics.jsonl").is_file():
+            m = step_means(run / "metrics.jsonl", keys)
+            lines.append(
+                f"| {name} | {arm} | {seed} | {fmt(m['reward'], '.3f')} | {fmt(m['zero_std'], '.1%')} "
+                f"| {fmt(m['clipped'], '.2%')} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def table(trl: dict, ours: dict) -> str:
     """Markdown: per implementation, the two arms' final accuracy per seed and the gap v4 - on-policy."""
     lines = [
@@ -173,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--runs-dir", default="results/trl_staleness", help="per-run records")
     p.add_argument("--ours", default="results/real_staleness.csv", help="the 12-step study's CSV, to compare")
+    p.add_argument("--ours-runs", default="results/real_staleness", help="the 12-step study's records, to compare")
     p.add_argument("--out", default="results/trl_staleness_table.md", help="the comparison table")
     p.add_argument("--table-only", action="store_true", help="no training: the table from the records")
     return p
@@ -192,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     text = table(finals(runs_dir), our_finals(Path(args.ours)))
+    text += "\nWhat the optimizer steps saw (means over each run's logged steps):\n\n"
+    text += steps_table(runs_dir, Path(args.ours_runs), args.seeds)
     Path(args.out).write_text(text)
     print(text + f"wrote {args.out}")
     return 0

@@ -60,3 +60,29 @@ def test_the_table_pairs_each_v4_run_with_the_on_policy_run_of_its_seed(tmp_path
     assert "| this repository (--clip-center alpha) | 0 | 0.350 | 0.225 | -0.125 |" in text
     # the mean and sample std of the two TRL gaps, -0.05 and -0.13: -0.090 +- 0.057
     assert "gap -0.090 ± 0.057 over 2 seed(s)" in text
+
+
+def test_the_steps_table_averages_what_each_implementation_logged_over_its_steps(tmp_path):
+    trl_runs, our_runs = tmp_path / "trl", tmp_path / "ours"
+    record(trl_runs, "v4", 0, 0.3)
+    # TRL's log history: a row per optimizer step, then its summary row (no step metrics).
+    history = [
+        {"step": 1, "reward": 0.1, "frac_reward_zero_std": 0.5, "clip_ratio/region_mean": 0.0},
+        {"step": 2, "reward": 0.3, "frac_reward_zero_std": 0.25, "clip_ratio/region_mean": 0.02},
+        {"train_runtime": 99.0, "step": 2},
+    ]
+    (trl_runs / "v4-s0" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
+    # Ours: step 1 had no signal (no update, no clip logged).
+    ours = [
+        {"step": 0, "reward": 0.2, "zero_std_frac": 0.5, "clip_low": 0.0, "clip_high": 0.0},
+        {"step": 1, "reward": 0.0, "zero_std_frac": 1.0, "skipped_no_signal": 1},
+        {"step": 2, "reward": 0.1, "zero_std_frac": 0.75, "clip_low": 0.03, "clip_high": 0.01},
+    ]
+    (our_runs / "behaviour-v4-s0").mkdir(parents=True)
+    (our_runs / "behaviour-v4-s0" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ours))
+    text = ts.steps_table(trl_runs, our_runs, seeds=[0])
+    # TRL: reward (0.1 + 0.3) / 2, zero-std (0.5 + 0.25) / 2, clipped (0 + 0.02) / 2.
+    assert "| stock TRL | v4 | 0 | 0.200 | 37.5% | 1.00% |" in text
+    # Ours: reward (0.2 + 0 + 0.1) / 3, zero-std (0.5 + 1 + 0.75) / 3, clipped over the two updates (0 + 0.04) / 2.
+    assert "| this repository | v4 | 0 | 0.100 | 75.0% | 2.00% |" in text
+    assert "on-policy" not in text  # neither implementation has an on-policy record here
