@@ -195,11 +195,10 @@ def table(rows: list[dict], corr: dict[str, tuple], resamples: int = RESAMPLES, 
         "| arm | v | seed | drift k3 | rho' p99 | gap | stale steps (logged/all) |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    fmt = lambda x, spec: "—" if x is None else format(x, spec)
     for r in rows:
         lines.append(
-            f"| {r['arm']} | {r['v']} | {r['seed']} | {fmt(r['drift_k3'], '.4f')} | {fmt(r['rho_p99'], '.3f')} "
-            f"| {r['gap']:+.3f} | {r['logged']}/{r['stale']} |"
+            f"| {r['arm']} | {r['v']} | {r['seed']} | {runner.cell(r['drift_k3'], '.4f')} "
+            f"| {runner.cell(r['rho_p99'], '.3f')} | {r['gap']:+.3f} | {r['logged']}/{r['stale']} |"
         )
     lines += [
         "",
@@ -244,7 +243,6 @@ def by_recipe_table(rows: dict[str, list[dict]], baselines: dict[str, dict[int, 
     gap per seed, the gaps' mean ± sample std, and the mean over those runs of drift k3 and rho' p99.
 
     `rows` is recipe -> `collect`'s rows; `baselines` recipe -> `baseline_finals`."""
-    fmt = lambda x, spec: "—" if x is None else format(x, spec)
     lines = ["| recipe | v = 1 final, by seed | mean ± sd |", "|---|---|---:|"]
     for name, finals in baselines.items():
         by_seed = ", ".join(f"s{s} {acc:.3f}" for s, acc in sorted(finals.items()))
@@ -262,8 +260,8 @@ def by_recipe_table(rows: dict[str, list[dict]], baselines: dict[str, dict[int, 
             by_seed = ", ".join(f"s{r['seed']} {r['gap']:+.3f}" for r in runs)
             lines.append(
                 f"| {arm} | {v} | {name} | {by_seed} | {runner.mean_sd([r['gap'] for r in runs], signed=True)} "
-                f"| {fmt(mean_of([r['drift_k3'] for r in runs]), '.4f')} "
-                f"| {fmt(mean_of([r['rho_p99'] for r in runs]), '.3f')} |"
+                f"| {runner.cell(mean_of([r['drift_k3'] for r in runs]), '.4f')} "
+                f"| {runner.cell(mean_of([r['rho_p99'] for r in runs]), '.3f')} |"
             )
     lines += [
         "",

@@ -178,6 +178,11 @@ def run_jobs(cfgs: list[Config], args) -> Iterator[tuple[int, bool, tuple[str, s
             yield running[done], False, done.result()
 
 
+def cell(x: float | None, spec: str) -> str:
+    """A table cell: x formatted by spec, or "—" for no value."""
+    return "—" if x is None else format(x, spec)
+
+
 def mean_sd(xs: list[float], signed: bool = False) -> str:
     """ "mean ± sample std" (std 0 for a single value); `signed` writes the mean's sign, for differences."""
     return f"{statistics.fmean(xs):{'+' if signed else ''}.3f} ± {statistics.stdev(xs) if len(xs) > 1 else 0.0:.3f}"

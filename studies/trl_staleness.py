@@ -167,7 +167,6 @@ def steps_table(trl_runs: Path, our_runs: Path, seeds: list[int]) -> str:
         "| implementation | arm | seed | train reward | groups with equal rewards | clipped tokens |",
         "|---|---|---:|---:|---:|---:|",
     ]
-    fmt = lambda x, spec: "—" if x is None else format(x, spec)
     runs = [("stock TRL", arm, seed, trl_runs / f"{arm}-s{seed}", STEP_KEYS["trl"]) for arm, seed in finals(trl_runs)]
     for arm, (correction, v) in OURS.items():
         for seed in seeds:
@@ -177,8 +176,8 @@ def steps_table(trl_runs: Path, our_runs: Path, seeds: list[int]) -> str:
         if (run / "metrics.jsonl").is_file():
             m = step_means(run / "metrics.jsonl", keys)
             lines.append(
-                f"| {name} | {arm} | {seed} | {fmt(m['reward'], '.3f')} | {fmt(m['zero_std'], '.1%')} "
-                f"| {fmt(m['clipped'], '.2%')} |"
+                f"| {name} | {arm} | {seed} | {runner.cell(m['reward'], '.3f')} | {runner.cell(m['zero_std'], '.1%')} "
+                f"| {runner.cell(m['clipped'], '.2%')} |"
             )
     return "\n".join(lines) + "\n"
 
