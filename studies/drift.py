@@ -247,8 +247,9 @@ def by_recipe_table(rows: dict[str, list[dict]], baselines: dict[str, dict[int, 
     for name, finals in baselines.items():
         by_seed = ", ".join(f"s{s} {acc:.3f}" for s, acc in sorted(finals.items()))
         lines.append(f"| {name} | {by_seed or '—'} | {runner.mean_sd(list(finals.values())) if finals else '—'} |")
-    cells = [(r["arm"], r["v"]) for r in next(iter(rows.values()))]
-    cells = [c for c in dict.fromkeys(cells) if all(any((r["arm"], r["v"]) == c for r in rr) for rr in rows.values())]
+    ran = [{(r["arm"], r["v"]) for r in rr} for rr in rows.values()]  # each recipe's (arm, v) cells
+    in_order = dict.fromkeys((r["arm"], r["v"]) for r in next(iter(rows.values())))  # the first recipe's grid order
+    cells = [c for c in in_order if all(c in cells_of for cells_of in ran)]
     lines += [
         "",
         "| arm | v | recipe | gap by seed | gap mean ± sd | drift k3 | rho' p99 |",
