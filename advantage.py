@@ -106,7 +106,7 @@ def red_drop(rewards: torch.Tensor, group_size: int, generator: torch.Generator 
         neg = (r[g] < mu[g]).nonzero().flatten()
         surplus = len(neg) - len(pos)
         if surplus > 0 and len(pos) > 0:
-            order = torch.randperm(len(neg), generator=generator)
+            order = torch.randperm(len(neg), generator=generator, device=rewards.device)
             keep[g, neg[order[:surplus]]] = False
     return keep.view(-1)
 

@@ -137,6 +137,12 @@ class SelectedLogProb(torch.autograd.Function):
     floats) and its softmax, 0 outside the kept set:
         d logp / d (h W^T + b) = (onehot(y) - softmax(z)) / tau.
     Peak extra memory is one (chunk, V) float32 block instead of (M, V).
+
+    Under autocast the head's matmul runs in the autocast dtype (bfloat16 on CUDA) while `loss.backward()` runs
+    outside autocast. The backward therefore re-enters the forward's autocast state (what `torch.amp.custom_bwd`
+    does, for whichever device the tensors are on: custom_bwd fixes one device type when it decorates): its z is
+    then the forward's, so softmax(z) matches the saved log-sum-exp, and its three (chunk, V) matmuls run in the
+    dtype the forward's ran in, as autograd's own backward of the plain path would.
     """
 
     @staticmethod
@@ -144,37 +150,48 @@ class SelectedLogProb(torch.autograd.Function):
         acc = torch.promote_types(weight.dtype, torch.float32)  # float32, or float64 in tests
         out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)  # (M,)
         lse = torch.empty_like(out)  # (M,)
+        compute = weight.dtype  # the dtype F.linear computes in: the autocast dtype under autocast
         for s in range(0, hidden.shape[0], chunk):
-            z = F.linear(hidden[s : s + chunk], weight, bias).to(acc) / temperature  # (c, V)
-            z = truncate(z, truncation, targets[s : s + chunk])
+            logits = F.linear(hidden[s : s + chunk], weight, bias)  # (c, V)
+            compute = logits.dtype
+            z = truncate(logits.to(acc) / temperature, truncation, targets[s : s + chunk])  # (c, V)
             lse[s : s + chunk] = torch.logsumexp(z, dim=-1)
             out[s : s + chunk] = z.gather(1, targets[s : s + chunk, None]).squeeze(1) - lse[s : s + chunk]
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.temperature, ctx.chunk, ctx.truncation = temperature, chunk, truncation
+        ctx.temperature, ctx.chunk, ctx.truncation, ctx.compute = temperature, chunk, truncation, compute
+        device = hidden.device.type
+        ctx.autocast = dict(
+            device_type=device, dtype=torch.get_autocast_dtype(device), enabled=torch.is_autocast_enabled(device)
+        )
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
+        with torch.autocast(**ctx.autocast):
+            return SelectedLogProb._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
-        tau, chunk = ctx.temperature, ctx.chunk
+        tau, chunk, compute, acc = ctx.temperature, ctx.chunk, ctx.compute, lse.dtype
         grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        acc = lse.dtype
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
         grad_b = None
         if bias is not None and ctx.needs_input_grad[2]:
             grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device)
+        weight_c = weight.to(compute)  # (V, H) cast once, not per chunk
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]  # (c, H)
             z = truncate(F.linear(h, weight, bias).to(acc) / tau, ctx.truncation, targets[s : s + chunk])  # (c, V)
             g = -torch.exp(z - lse[s : s + chunk, None])  # (c, V) -softmax
             g.scatter_add_(1, targets[s : s + chunk, None], torch.ones_like(g[:, :1]))  # onehot - softmax
-            g = g * (grad_out[s : s + chunk, None] / tau)  # (c, V) d loss / d logits
+            g = (g * (grad_out[s : s + chunk, None] / tau)).to(compute)  # (c, V) d loss / d logits
             if grad_h is not None:
-                grad_h[s : s + chunk] = (g.to(weight.dtype) @ weight).to(hidden.dtype)  # (c, H)
+                grad_h[s : s + chunk] = (g @ weight_c).to(hidden.dtype)  # (c, H)
             if grad_w is not None:
-                grad_w += g.t() @ h.to(acc)  # (V, H)
+                grad_w += g.t() @ h.to(compute)  # (V, H), summed over chunks in `acc`
             if grad_b is not None:
-                grad_b += g.sum(dim=0)  # (V,)
+                grad_b += g.sum(dim=0, dtype=acc)  # (V,)
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
         return grad_h, grad_w, grad_b, None, None, None, None

@@ -208,7 +208,9 @@ def synthetic_reward(tok, group_size: int, reward_gen: torch.Generator):
 
     def reward_fn(ro) -> torch.Tensor:
         tok.batch_decode(ro.completion_ids, skip_special_tokens=True)
-        rewards = torch.randint(0, 2, (ro.completion_ids.shape[0],), generator=reward_gen).float()  # (N,)
+        rewards = torch.randint(
+            0, 2, (ro.completion_ids.shape[0],), generator=reward_gen, device=reward_gen.device
+        ).float()  # (N,)
         groups = rewards.view(-1, group_size)  # (B, G), a view: the flip below writes into rewards
         same = (groups == groups[:, :1]).all(dim=1)  # (B,) groups without signal would skip the update
         groups[same, 0] = 1.0 - groups[same, 0]
