@@ -6,37 +6,66 @@
     use_static_decoder   whether `generate` takes it: on CUDA, for models it fits, once a probe step worked
     sampling_path        the name of the path `generate` would take ("plain", "static-cache", "+cuda-graph")
 
-tests/test_fastpath.py checks that the two paths agree (greedy tokens identical, sampled log-probs against a full
-forward). Deviation from transformers' own static cache: the path passes its own boolean sdpa mask (True =
-visible) as a dict, so it applies only to models with sdpa attention and full-attention layers; anything else
-samples on the plain path.
+tests/test_fastpath.py and tests/test_gpu_path.py check that the two paths agree (greedy tokens identical, sampled
+log-probs against a full forward), on Qwen2, Llama and a PEFT-wrapped model, and under bf16 autocast. Deviation from
+transformers' own static cache: the path passes its own 4-D boolean sdpa mask (True = visible), which transformers
+uses as given, so it applies only to models with sdpa attention and full-attention layers; anything else samples
+on the plain path.
+
+Under autocast the decoder keeps its own copies of the Linear layers' weights in the autocast dtype, refreshed
+once per `generate` call: a captured graph cannot use autocast's weight-cast cache (it would freeze the casts of
+the weights as they were at capture), so without them every replayed token would cast every weight again.
 """
 
-import inspect
-import warnings
+import sys
 import weakref
 
 import torch
+from torch.func import functional_call
 from transformers import PreTrainedModel
 
-from logprobs import Truncation, cache_kwarg, entropy_of, last_logits_only, position_ids_from_mask, sampling_logits
+from logprobs import (
+    Truncation,
+    cache_kwarg,
+    entropy_of,
+    forward_parameters,
+    last_logits_only,
+    position_ids_from_mask,
+    sampling_logits,
+)
+
+
+def warn(msg: str) -> None:
+    """One line on stderr: the sampler changed path, the run goes on."""
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def transformers_model(model):
+    """The transformers model under a PEFT wrapper (LoRA), or the model itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def static_cache_fits(model) -> bool:
+    """A transformers model with sdpa attention whose layers all attend to the full prefix: our mask is sdpa's
+    (True = visible) for full attention. Llama-family configs name no layer types; a sliding window they do name."""
+    base = transformers_model(model)
+    if not isinstance(base, PreTrainedModel) or base.config._attn_implementation != "sdpa":
+        return False
+    layer_types = getattr(base.config, "layer_types", None)
+    if layer_types is not None:
+        return set(layer_types) == {"full_attention"}
+    return getattr(base.config, "sliding_window", None) is None
 
 
 def sampling_path(model, fast: bool | None = None) -> str:
     """How `generate(model, ..., fast=fast)` samples: "plain", "static-cache" or "static-cache+cuda-graph"."""
-    # Our masks are sdpa's (True = visible), for full-attention layers.
-    cfg = getattr(model, "config", None)
-    ok = (
-        isinstance(model, PreTrainedModel)
-        and cfg._attn_implementation == "sdpa"
-        and set(getattr(cfg, "layer_types", None) or ["?"]) == {"full_attention"}
-    )
     on_cuda = next(model.parameters()).device.type == "cuda"
+    ok = static_cache_fits(model)
     if fast is False or (fast is None and not (ok and on_cuda and model not in _NO_FAST)):
         return "plain"
     if not ok:
         raise ValueError("generate(fast=True) needs a transformers model with sdpa attention and full-attention layers")
-    return "static-cache+cuda-graph" if on_cuda else "static-cache"
+    return "static-cache+cuda-graph" if on_cuda and model not in _NO_GRAPH else "static-cache"
 
 
 def sample_exponential_race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -48,30 +77,45 @@ def sample_exponential_race(probs: torch.Tensor, generator: torch.Generator | No
 
 class StaticDecoder:
     """A static KV cache, (N, H_kv, L, D) per layer, and the decode step's inputs, each a fixed tensor
-    updated in place (a step writes cache column `write`): on CUDA the step is captured once as a graph."""
+    updated in place (a step writes cache column `write`): on CUDA the step is captured once as a graph.
 
-    def __init__(self, model, n: int, length: int, device):
+    Under autocast the keys and values are stored in the autocast dtype (the keys leave the rotary embedding in
+    float32, the values in bfloat16: the attention casts both anyway), and the forward runs on `weights`, the
+    Linear layers' weights cast once per `generate` call (`cast_weights`) rather than on every replay."""
+
+    def __init__(self, model, n: int, length: int, device, graphs: bool):
         self.n, self.length, self.keys, self.values, self.rows = n, length, {}, {}, None  # rows: set while prefilling
         self.write = torch.zeros(1, dtype=torch.long, device=device)  # (1,) cache column of the next token
         # (N, 1) each: the token fed next, its position.
         self.ids, self.pos = torch.zeros(2, n, 1, dtype=torch.long, device=device)
         self.mask = torch.zeros(n, 1, 1, length, dtype=torch.bool, device=device)  # (N, 1, 1, L) visible columns
-        # On CUDA: the captured decode step and its output.
-        self.graph, self.logits = None, None
+        # With graphs (CUDA): the captured decode step and its output.
+        self.graphs, self.graph, self.logits = graphs, None, None
         self.kw = {cache_kwarg(model): self, **last_logits_only(model)}
         # transformers < 5.2x would ask the cache for cache_position otherwise; only caches read it, ours does not.
-        if "cache_position" in inspect.signature(model.forward).parameters:
+        if "cache_position" in forward_parameters(model):
             self.kw["cache_position"] = self.write
+        amp = device.type
+        self.dtype = torch.get_autocast_dtype(amp) if torch.is_autocast_enabled(amp) else None  # the cache's dtype
+        self.weights = linear_weights(model, self.dtype) if self.dtype is not None else {}
+
+    def cast_weights(self, model) -> None:
+        """The Linear weights as they are now (an optimizer step changed them in place), in the autocast dtype."""
+        params = dict(model.named_parameters(remove_duplicate=False))
+        for name, w in self.weights.items():
+            w.copy_(params[name])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # (N, H_kv, t, D) in, L columns out
         # Allocated by the prefill, before any graph capture.
         if layer_idx not in self.keys:
             shape = (self.n, key_states.shape[1], self.length, key_states.shape[3])
-            self.keys[layer_idx], self.values[layer_idx] = key_states.new_zeros(shape), value_states.new_zeros(shape)
+            dtype = self.dtype or value_states.dtype
+            self.keys[layer_idx] = key_states.new_zeros(shape, dtype=dtype)
+            self.values[layer_idx] = value_states.new_zeros(shape, dtype=dtype)
         k, v = self.keys[layer_idx], self.values[layer_idx]  # (N, H_kv, L, D)
         if self.rows is None:  # a decode step: one column
-            k.index_copy_(2, self.write, key_states)
-            v.index_copy_(2, self.write, value_states)
+            k.index_copy_(2, self.write, key_states.to(k.dtype))
+            v.index_copy_(2, self.write, value_states.to(v.dtype))
             return k, v
         # The prefill of the B prompts: each row's cache gets its prompt's; the prompts attend to themselves.
         k[:, :, : key_states.shape[2]], v[:, :, : key_states.shape[2]] = key_states[self.rows], value_states[self.rows]
@@ -80,14 +124,16 @@ class StaticDecoder:
     def _forward(self, model, ids=None, pos=None, mask=None) -> torch.Tensor:
         if ids is None:  # the decode step, on the static inputs
             ids, pos, mask = self.ids, self.pos, self.mask
-        # transformers uses a dict of masks as given.
-        mask = {"full_attention": mask}
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **self.kw)
+        # A 4-D mask is used as given by every transformers model (no dict of masks per layer type needed).
+        kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **self.kw)
+        # tie_weights=False: a head tied to the embedding takes the cast copy, the embedding keeps its own.
+        out = functional_call(model, self.weights, args=(), kwargs=kwargs, tie_weights=False, strict=False)
         return out.logits[:, -1, :]  # (N, V)
 
     def prefill(self, model, ids: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Run the B prompts (B, P) once into cache columns 0..P-1 of their rows (N,); returns logits (N, V)."""
         p = ids.shape[1]
+        self.cast_weights(model)
         for buf in (*self.keys.values(), *self.values.values()):  # reused: nothing stale behind the mask
             buf.zero_()
         causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()  # (P, P)
@@ -112,10 +158,13 @@ class StaticDecoder:
         self.pos.add_(1)
         self.write.add_(1)
         self.mask.index_fill_(3, self.write, True)  # the new column becomes visible
-        if not self.write.is_cuda:  # on CPU: an eager forward
+        if not self.graphs:  # an eager forward (always on CPU)
             return self._forward(model)
         if self.graph is None:
-            self._capture(model)
+            try:
+                self._capture(model)
+            except Exception as e:  # out of memory while capturing, an op that cannot be captured, ...
+                raise GraphCaptureError(first_line(e)) from e
         # Recomputes self.logits from the static inputs.
         self.graph.replay()
         return self.logits
@@ -140,10 +189,40 @@ class StaticDecoder:
         self.graph = graph
 
 
-# Model -> (shape key, StaticDecoder), freed with the model.
+def graphs_on(device) -> bool:
+    """Whether the decode step is captured as a graph on this device (a test makes the CPU pretend)."""
+    return device.type == "cuda"
+
+
+class GraphCaptureError(RuntimeError):
+    """Capturing the decode step as a CUDA graph failed: `rollout.generate` samples that call on the plain loop."""
+
+
+def first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+
+
+def linear_weights(model, dtype) -> dict[str, torch.Tensor]:
+    """Copies in `dtype` of the floating-point weights and biases of the model's Linear layers (LoRA's included),
+    by their names in model.named_parameters: what autocast would cast for each matmul. Other weights (the
+    embedding, the norms) run as they are under autocast too."""
+    out = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            for name, p in module.named_parameters(prefix=prefix, recurse=False):
+                if p.is_floating_point() and p.dtype != dtype:
+                    out[name] = p.detach().to(dtype)
+    return out
+
+
+# Model -> {shape key: StaticDecoder}, freed with the model. Evaluation's shape sits beside training's, so neither
+# evicts (and recaptures) the other; the least recently used goes beyond MAX_DECODERS.
 _DECODERS = weakref.WeakKeyDictionary()
-# Models on which the static-cache path failed: they sample plainly.
+MAX_DECODERS = 4
+# Models on which the static-cache path failed: with fast=None they sample plainly.
 _NO_FAST = weakref.WeakSet()
+# Models whose graph capture failed: with fast=True they decode on the static cache without graphs.
+_NO_GRAPH = weakref.WeakSet()
 # Models on which the static-cache path worked once.
 _TRIED = weakref.WeakSet()
 
@@ -152,18 +231,16 @@ def static_decoder(model, n: int, length: int, device) -> StaticDecoder:
     """The model's static decoder for N rows and >= `length` columns, kept: its graph is captured once."""
     # Rounded up: prompts of nearby lengths share one graph.
     length = -(-length // 64) * 64
-    key = (
-        n,
-        length,
-        str(device),
-        model.training,
-        torch.is_autocast_enabled(device.type),
-        model.get_input_embeddings().weight.data_ptr(),
-    )
-    # One per model: another shape (evaluation) captures anew.
-    if _DECODERS.get(model, (None,))[0] != key:
-        _DECODERS[model] = (key, StaticDecoder(model, n, length, device))
-    return _DECODERS[model][1]
+    amp = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    key = (n, length, str(device), model.training, amp, model.get_input_embeddings().weight.data_ptr())
+    decoders = _DECODERS.setdefault(model, {})
+    if key not in decoders:
+        if len(decoders) >= MAX_DECODERS:
+            decoders.pop(next(iter(decoders)))
+        graphs = graphs_on(device) and model not in _NO_GRAPH
+        decoders[key] = StaticDecoder(model, n, length, device, graphs)
+    decoders[key] = decoders.pop(key)  # the most recently used last
+    return decoders[key]
 
 
 # Errors of a static cache that this transformers version calls differently (an unexpected keyword, a
@@ -175,7 +252,7 @@ _PATH_ERRORS = (TypeError, ValueError, AttributeError, IndexError, KeyError)
 @torch.no_grad()
 def _try_static_path(model, device) -> None:
     """One prefill and one eager decode step of a 1-row static cache: raises if the model won't take it."""
-    dec = StaticDecoder(model, 1, 64, device)
+    dec = StaticDecoder(model, 1, 64, device, graphs=False)
     one = torch.ones(1, 1, dtype=torch.long, device=device)  # (1, 1) a one-token prompt
     dec.prefill(model, one, one, torch.zeros(1, dtype=torch.long, device=device))
     dec.ids.copy_(one)
@@ -183,7 +260,7 @@ def _try_static_path(model, device) -> None:
     dec._forward(model)
 
 
-def use_static_decoder(model, n: int, length: int, fast: bool | None = None, log=warnings.warn) -> bool:
+def use_static_decoder(model, n: int, length: int, fast: bool | None = None, log=warn) -> bool:
     """Whether `rollout.generate` samples N rows of up to `length` tokens with `sample_static`.
 
     fast=False: no. fast=True: yes, whatever happens (errors are the caller's). fast=None (auto): where
@@ -202,6 +279,17 @@ def use_static_decoder(model, n: int, length: int, fast: bool | None = None, log
             return False
         _TRIED.add(model)
     return True
+
+
+def capture_failed(model, error: GraphCaptureError, log=warn) -> None:
+    """After a failed capture: the model never captures again (auto: the plain loop; fast=True: the static cache
+    without graphs), its decoders and their memory are freed, and one line says so."""
+    _NO_FAST.add(model)
+    _NO_GRAPH.add(model)
+    _DECODERS.pop(model, None)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    log(f"rollout: capturing the decode step as a CUDA graph failed ({error}); sampling on the plain loop")
 
 
 @torch.no_grad()

@@ -120,14 +120,21 @@ def token_logprobs(
 # --- the optimisation: the same log-probs without the (N, T, V) logits ---------------------------------------
 
 
+def forward_parameters(model):
+    """The parameters of the model's forward; under a PEFT wrapper (LoRA, whose forward takes **kwargs), those of
+    the transformers model it wraps and passes them on to."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inspect.signature(model.forward).parameters
+
+
 def cache_kwarg(model) -> str:
     """transformers renamed `past_key_values` to `cache` in 5.2x (argument and output); accept both."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return "cache" if "cache" in forward_parameters(model) else "past_key_values"
 
 
 def last_logits_only(model) -> dict:
     """Ask for the last position's logits only: a prompt's forward would otherwise build (N, P, V) of them."""
-    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    return {"logits_to_keep": 1} if "logits_to_keep" in forward_parameters(model) else {}
 
 
 class SelectedLogProb(torch.autograd.Function):

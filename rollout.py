@@ -19,8 +19,8 @@ Deviations from common practice:
      tokens' log-probs and entropies, and treats EOS uniformly.
   2. A group's G rows share their prompt: it runs once per group, and its KV cache is fanned out to the G rows.
   3. On CUDA `generate` calls decoding.py's `sample_static` instead (gpt-fast's technique: a static KV cache and
-     the decode step replayed as a CUDA graph). `sample` stays the reference; tests/test_fastpath.py checks that
-     the two agree.
+     the decode step replayed as a CUDA graph; --sampling chooses). `sample` stays the reference;
+     tests/test_fastpath.py checks that the two agree. Should the graph capture fail, the call samples on `sample`.
 """
 
 from dataclasses import dataclass
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from decoding import sample_static, use_static_decoder
+from decoding import GraphCaptureError, capture_failed, sample_static, use_static_decoder
 from logprobs import Truncation, cache_kwarg, entropy_of, last_logits_only, position_ids_from_mask, sampling_logits
 
 
@@ -135,9 +135,16 @@ def generate(
         generator=generator,
         ignore_eos=ignore_eos,
     )
+    steps = None
     if use_static_decoder(model, rows.numel(), prompt_ids.shape[1] + max_new_tokens, fast):
-        steps = sample_static(model, prompt_ids, prompt_mask.long(), rows, **kw)  # the optimisation, decoding.py
-    else:
+        state = generator.get_state() if generator is not None else None
+        try:
+            steps = sample_static(model, prompt_ids, prompt_mask.long(), rows, **kw)  # the optimisation, decoding.py
+        except GraphCaptureError as e:  # the run goes on: this call samples again, from the same generator state
+            capture_failed(model, e)
+            if state is not None:
+                generator.set_state(state)
+    if steps is None:
         steps = sample(model, prompt_ids, prompt_mask.long(), rows, **kw)
     return to_rollout(prompt_ids[rows], prompt_mask[rows].long(), **steps)
 

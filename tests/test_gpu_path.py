@@ -151,3 +151,182 @@ def test_red_drop_and_the_reward_shuffle_draw_on_their_generators_device(monkeyp
     advantages, valid = compute_advantages(cfg, rewards, torch.Generator().manual_seed(0))
     assert patched.calls == 3  # one shuffle, one drop per group
     assert valid.sum() == 4  # RED-Drop kept one positive and one negative per group
+
+
+# --- 3. the static-cache sampler (--sampling fast) on the model families a user brings -------------------------
+
+
+def tiny_llama(tok, seed: int = 0):
+    """A random-weight Llama (SmolLM2's family), built from a config: no layer_types in its config."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_qwen2(tok, seed: int = 0):
+    import tiny
+
+    return tiny.build_model(tok, seed=seed).eval()
+
+
+def tiny_lora(tok, seed: int = 0):
+    """The tiny Qwen2 wrapped by peft LoRA, its adapter random (not zero) so that it changes the logits."""
+    from conftest import needs
+
+    peft = needs("peft", "lora")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    torch.manual_seed(seed + 1)
+    return peft.get_peft_model(tiny_qwen2(tok, seed), config).eval()
+
+
+MODELS = {"qwen2": tiny_qwen2, "llama": tiny_llama, "qwen2+lora": tiny_lora}
+
+
+def left_padded_prompts(tok):
+    from tasks import Problem, encode_prompts
+
+    problems = [Problem("12+3=", "15"), Problem("4*4=", "16"), Problem("123-45=", "78")]
+    return encode_prompts(tok, problems, "cpu")
+
+
+def sample_both_ways(model, tok, temperature=0.0, **kw):
+    from rollout import generate
+
+    ids, mask = left_padded_prompts(tok)
+    special = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    args = dict(group_size=2, max_new_tokens=10, temperature=temperature, ignore_eos=True, **special, **kw)
+    return generate(model, ids, mask, fast=False, **args), generate(model, ids, mask, fast=True, **args)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("family", MODELS)
+def test_the_static_cache_sampler_matches_the_plain_loop(tok, family):
+    from decoding import sampling_path
+
+    model = MODELS[family](tok)
+    assert sampling_path(model, fast=True) == "static-cache"  # it applies: no silent fallback to plain
+    plain, fast = sample_both_ways(model, tok)
+    assert torch.equal(plain.completion_ids, fast.completion_ids)
+    assert (plain.alpha_logp - fast.alpha_logp).abs().max() <= 1e-5
+    assert (plain.entropy - fast.entropy).abs().max() <= 1e-5
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("family", MODELS)
+def test_the_static_cache_sampler_under_bf16_autocast_keeps_its_cache_in_bf16(tok, family):
+    import decoding
+    from logprobs import chunked_token_logprobs
+
+    model = MODELS[family](tok)
+    with torch.autocast(**BF16):
+        plain, fast = sample_both_ways(model, tok)
+        (decoder,) = decoding._DECODERS[model].values()
+        dtypes = {t.dtype for t in (*decoder.keys.values(), *decoder.values.values())}
+        assert dtypes == {torch.bfloat16} and len(decoder.keys) == model.config.num_hidden_layers
+        assert torch.equal(plain.completion_ids, fast.completion_ids)
+        # Sampled: each path's log alpha against the training forward's under the same autocast (what the loop's
+        # sampler_mismatch measures). The attention casts keys to bf16 in both, so the bf16 cache costs nothing.
+        gaps = {}
+        for ro in sample_both_ways(model, tok, temperature=1.0, generator=torch.Generator().manual_seed(0)):
+            forward = chunked_token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)
+            gaps[len(gaps)] = (ro.alpha_logp - forward).abs().mean().item()
+    plain_gap, fast_gap = gaps[0], gaps[1]
+    assert fast_gap <= max(plain_gap, 1e-5), (plain_gap, fast_gap)
+
+
+class CastLog(TorchDispatchMode):
+    """How many times a dtype cast reads one of the given tensors (the model's weights)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.ptrs, self.casts = {p.data_ptr() for p in model.parameters()}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ == "_to_copy" and args[0].data_ptr() in self.ptrs:
+            self.casts += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.model
+def test_the_static_decoder_casts_no_weight_per_token_under_autocast(tok):
+    # A captured graph runs without autocast's cast cache (decoding.StaticDecoder._capture): the eager step, with the
+    # cache off as there, shows what each replay would do. The decoder makes its bf16 copies of the Linear weights
+    # once, then refreshes them by copy_ at each call; the plain loop, for contrast, casts every Linear weight at
+    # every token.
+    from rollout import generate
+
+    model = tiny_qwen2(tok)
+    ids, mask = left_padded_prompts(tok)
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    special = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    sample = lambda fast: generate(  # noqa: E731
+        model, ids, mask, group_size=2, max_new_tokens=10, temperature=0.0, ignore_eos=True, fast=fast, **special
+    )
+    casts = {}
+    for fast in (False, True):
+        with torch.autocast(**BF16, cache_enabled=False):
+            sample(fast)  # the static decoder is made here, its copies with it
+            with CastLog(model) as log:
+                sample(fast)
+        casts[fast] = log.casts
+    assert casts[False] >= 10 * n_linear
+    assert casts[True] == 0
+
+
+@pytest.mark.model
+def test_evaluations_shape_does_not_evict_the_training_decoder(tok):
+    import decoding
+
+    model = tiny_qwen2(tok)
+    sample_both_ways(model, tok)  # 6 rows: "training"
+    (training,) = decoding._DECODERS[model].values()
+    from rollout import generate
+
+    ids, mask = left_padded_prompts(tok)
+    special = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    generate(model, ids, mask, group_size=1, max_new_tokens=10, temperature=0.0, fast=True, **special)  # 3 rows
+    sample_both_ways(model, tok)
+    assert len(decoding._DECODERS[model]) == 2 and training in decoding._DECODERS[model].values()
+
+
+@pytest.mark.model
+def test_a_failed_graph_capture_falls_back_to_the_plain_loop_with_one_line(tok, monkeypatch, capsys):
+    # The CPU pretends to capture graphs, and the capture fails as it can on a GPU (out of memory, an op that
+    # cannot be captured): that call samples on the plain loop, from the same generator state, and later calls too.
+    import decoding
+    from rollout import generate
+
+    monkeypatch.setattr(decoding, "graphs_on", lambda device: True)
+
+    def capture(self, model):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(decoding.StaticDecoder, "_capture", capture)
+    monkeypatch.setattr(decoding, "sampling_path", lambda m, fast=None: "plain" if fast is False else "static-cache")
+    model = tiny_qwen2(tok)
+    ids, mask = left_padded_prompts(tok)
+    kw = dict(
+        group_size=2, max_new_tokens=8, temperature=1.0, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
+    ro = generate(model, ids, mask, generator=torch.Generator().manual_seed(3), **kw)  # auto
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "CUDA graph failed" in err[0] and "OutOfMemoryError" in err[0], err
+    plain = generate(model, ids, mask, fast=False, generator=torch.Generator().manual_seed(3), **kw)
+    assert torch.equal(ro.completion_ids, plain.completion_ids) and torch.equal(ro.alpha_logp, plain.alpha_logp)
+    assert model in decoding._NO_FAST and model not in decoding._DECODERS
+    generate(model, ids, mask, generator=torch.Generator().manual_seed(3), **kw)  # no second capture, no second line
+    assert capsys.readouterr().err == ""
