@@ -82,6 +82,13 @@ class Config:
         ["recompute", "sampler"],
     )
     sample_rows: int = arg(512, "most rows (completions) per generate call when a refresh samples its cycle")
+    sampling: str = arg(
+        "auto",
+        "the sampler: plain (rollout.sample, the reference loop), fast (decoding.py's static KV cache, its decode "
+        "step a CUDA graph on a GPU, eager on a CPU), auto (fast on CUDA where the model takes it, else plain; a "
+        "failed graph capture falls back to plain with one line)",
+        ["auto", "plain", "fast"],
+    )
     # --- advantages (step 4) ----------------------------------------------------------------------
     mask_zero_std: bool = arg(
         True, "drop groups whose rewards are all equal from the loss and its normaliser (--no-mask-zero-std keeps them)"
@@ -137,7 +144,11 @@ class Config:
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clipping")
     inner_steps: int = arg(1, "optimizer steps on each batch ([A]'s i); > 1 reuses samples")
-    micro_batch: int | None = arg(None, "sequences per forward/backward chunk (default: the whole batch N)")
+    micro_batch: int | None = arg(
+        None,
+        "sequences per forward/backward chunk, a divisor of N (default: on CUDA the largest divisor of N whose "
+        "activations fit half the free memory, policy.auto_micro_batch; on a CPU the whole batch N)",
+    )
     # --- fitting the model in memory (policy.fit_policy) -----------------------------------------
     gradient_checkpointing: bool = arg(
         False, "recompute each decoder layer's activations in the backward (transformers', non-reentrant)"
@@ -203,6 +214,11 @@ class Config:
         )
 
     @property
+    def fast(self) -> bool | None:
+        """rollout.generate's `fast`: None (auto), False (plain) or True (the static cache)."""
+        return {"auto": None, "plain": False, "fast": True}[self.sampling]
+
+    @property
     def autocast_dtype(self):
         """The autocast dtype of forward passes, None for plain float32."""
         return torch.bfloat16 if self.dtype == "bfloat16" else None
@@ -223,6 +239,7 @@ HELP_GROUPS = {
         "offpolicy_steps",
         "alpha_logp_from",
         "sample_rows",
+        "sampling",
     ],
     "objective": [
         "loss",
@@ -276,8 +293,10 @@ HELP_GROUPS = {
         "report_to",
     ],
 }
-# Flags that may differ from the run's own when it is resumed: how far to go, and how it looks.
-RESUME_MAY_CHANGE = ("steps", "progress", "resume")
+# Flags that may differ from the run's own when it is resumed: how far to go, how it looks, and the memory knobs
+# an out-of-memory error names (the micro-batches' gradients add up to the batch's; sampling rows in more calls
+# changes which random numbers a row draws, not the distribution it draws from).
+RESUME_MAY_CHANGE = ("steps", "progress", "resume", "micro_batch", "sample_rows", "gradient_checkpointing")
 
 
 def flag_name(f) -> str:
@@ -360,8 +379,8 @@ def config_from_args(args: argparse.Namespace, given: set[str] | None = None) ->
     if changed:
         raise ConfigError(f"--resume continues the run as it was configured; these differ: {'; '.join(changed)}")
     cfg.out, cfg.resume, cfg.progress = args.out, True, args.progress
-    if "steps" in (given or set()):
-        cfg.steps = args.steps  # to extend the run (or to stop it earlier than planned)
+    for name in set(RESUME_MAY_CHANGE) & (given or set()):  # --steps extends the run, or stops it earlier
+        setattr(cfg, name, getattr(args, name))
     return resolve(cfg)
 
 

@@ -146,6 +146,42 @@ def fit_policy(cfg: Config, model):
     return model
 
 
+def activation_bytes_per_token(config, checkpointing: bool) -> int:
+    """A decoder's activations kept for the backward, per token, under bf16 autocast with float32 weights: in
+    each layer the matmuls' bf16 inputs and outputs (q, k, v, attention out, o_proj; gate, up, their product:
+    about 6 H + 4 I values, 2 bytes each) and the float32 residual stream and norm inputs (about 4 H, 4 bytes).
+    With gradient checkpointing a layer keeps only its float32 input, and one layer at a time the rest.
+    A rule of thumb (Korthikanti et al. 2022 count the same tensors): it sizes the default micro-batch."""
+    h = config.hidden_size
+    i = getattr(config, "intermediate_size", None) or 4 * h
+    per_layer = 2 * (6 * h + 4 * i) + 4 * 4 * h
+    layers = config.num_hidden_layers
+    return 4 * h * layers + per_layer if checkpointing else per_layer * layers
+
+
+def auto_micro_batch(model, n: int, length: int, checkpointing: bool) -> int:
+    """The default --micro-batch: on CUDA `micro_batch_fitting` the device's free memory now; elsewhere N (on a CPU
+    memory is the host's, and the whole batch is what the shipped runs were made with)."""
+    device = next(model.parameters()).device
+    config = getattr(model, "config", None)
+    if device.type != "cuda" or not hasattr(config, "num_hidden_layers"):
+        return n
+    free, _ = torch.cuda.mem_get_info(device)
+    return micro_batch_fitting(config, n, length, checkpointing, free)
+
+
+def micro_batch_fitting(config, n: int, length: int, checkpointing: bool, free_bytes: int, share: float = 0.5) -> int:
+    """The largest divisor of N whose rows of `length` tokens keep their activations within `share` of
+    `free_bytes` (the rest: the logits' chunks, the optimizer's first step, the allocator's slack)."""
+    per_row = length * activation_bytes_per_token(config, checkpointing)
+    return largest_divisor_within(n, int(share * free_bytes) // per_row)
+
+
+def largest_divisor_within(n: int, limit: int) -> int:
+    """The largest divisor of n that is <= limit, and at least 1."""
+    return max((d for d in range(1, n + 1) if n % d == 0 and d <= limit), default=1)
+
+
 class BF16AdamW(torch.optim.Optimizer):
     """AdamW for bfloat16 weights (--param-dtype bfloat16): float32 moments, the update computed in float32 as
     torch's AdamW computes it, then rounded stochastically into the bfloat16 weight, so that E[w_new] is the

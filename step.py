@@ -35,7 +35,7 @@ from config import Config
 from corrections import corrected_policy_loss, mis_keep_mask, sampler_mismatch_stats
 from logprobs import chunked_token_logprobs
 from objective import aggregation_total, policy_loss
-from policy import BF16AdamW, fit_policy
+from policy import BF16AdamW, auto_micro_batch, fit_policy
 from reinforce import opmd_loss, rec_loss
 from rollout import Cycle, Rollout, Sampled, generate_batches
 
@@ -98,7 +98,6 @@ def grpo_step(
     draw: Callable[[int], list],
     *,
     ignore_eos: bool = False,
-    fast: bool | None = None,
 ) -> tuple[StepResult, Cycle]:
     """Steps 1-6 of one GRPO step (module docstring), shared by `train` and the benchmark.
 
@@ -109,7 +108,7 @@ def grpo_step(
         cycle: the current refresh cycle (None at the start); the returned one is the next call's.
         draw: n -> the next n steps' (prompt_ids, prompt_mask, reward_fn), prompts (B, P) left-padded on the
             policy's device, reward_fn: Rollout -> (N,) rewards (the verifier in training); called at refreshes.
-        ignore_eos, fast: passed to `generate` (the benchmark samples fixed-length completions).
+        ignore_eos: passed to `generate` (the benchmark samples fixed-length completions).
     Raises FloatingPointError when the sampler's logits are not finite (a diverged policy).
     """
     device = next(models.policy.parameters()).device
@@ -124,7 +123,7 @@ def grpo_step(
     refresh = cycle is None or not cycle.covers(step)  # k % v == 0, or a cycle lost (module docstring)
     if refresh:
         n = min(cfg.offpolicy_steps - step % cfg.offpolicy_steps, cfg.steps - step)  # to the next refresh or the end
-        cycle = sample_cycle(cfg, models, tokenizer, step, draw(n), gen, ignore_eos=ignore_eos, fast=fast)
+        cycle = sample_cycle(cfg, models, tokenizer, step, draw(n), gen, ignore_eos=ignore_eos)
         times.update(cycle.times)  # the refresh step carries the cycle's sampling, scoring and log alpha
     sampled = cycle.batches[step - cycle.start]
     ro, rewards = sampled.rollout, sampled.rewards
@@ -166,7 +165,7 @@ def grpo_step(
     return StepResult(refresh, ro, rewards, batch, stats, times), cycle
 
 
-def sample_cycle(cfg: Config, models: Models, tokenizer, start: int, draws: list, gen, *, ignore_eos, fast) -> Cycle:
+def sample_cycle(cfg: Config, models: Models, tokenizer, start: int, draws: list, gen, *, ignore_eos) -> Cycle:
     """Steps 1-3 for the steps start, ..., start + len(draws) - 1 at once, from alpha = pi_theta now.
 
     draws: one (prompt_ids, prompt_mask, reward_fn) per step, in the order the steps would have drawn them.
@@ -191,7 +190,7 @@ def sample_cycle(cfg: Config, models: Models, tokenizer, start: int, draws: list
             pad_token_id=tokenizer.pad_token_id,
             generator=gen,
             ignore_eos=ignore_eos,
-            fast=fast,
+            fast=cfg.fast,
         )
     times["sample"], t = clock(device) - t, clock(device)
     rewards = [reward_fn(ro) for ro, (_, _, reward_fn) in zip(rollouts, draws)]  # (N,) each
@@ -241,7 +240,7 @@ def update(cfg: Config, policy, opt, batch: Batch, ref_logp) -> tuple[dict, torc
     rho would differ from 1 even where pi_theta = alpha (TRL's `disable_dropout` makes the same choice).
     """
     loss_mask, n = batch.loss_mask, batch.input_ids.shape[0]
-    mb = cfg.micro_batch or n
+    mb = cfg.micro_batch or auto_micro_batch(policy, n, batch.input_ids.shape[1], cfg.gradient_checkpointing)
     policy.train(cfg.gradient_checkpointing)  # checkpointing acts in train mode only; dropout is 0 either way
     pi_k_logp = torch.zeros_like(loss_mask, dtype=torch.float32)  # (N, T) log pi_k, filled in epoch 0
     # MIS drops tokens by rho' = pi_k / alpha, and the dropped ones leave the normaliser: on a stale step every

@@ -52,7 +52,7 @@ from policy import load_policy
 from reward import math_reward
 from rollout import Cycle, Rollout, generate
 from run_io import RunWriter, current_memory_gb, peak_memory_gb
-from step import Models, StepResult, grpo_step, make_models
+from step import Models, StepResult, autocast, grpo_step, make_models
 from tasks import Problem, TaskError, encode_prompts, fit_context, load_task
 
 
@@ -131,6 +131,7 @@ def evaluate(
     truncation: Truncation | None = None,
     generator: torch.Generator | None = None,
     batch_size: int = 256,
+    fast: bool | None = None,
 ) -> float:
     """Held-out accuracy: the mean over problems of the mean reward of `samples` completions each ([A]'s "pass@1
     over k samples"). The default, one greedy completion (temperature 0), is the usual held-out accuracy."""
@@ -139,7 +140,7 @@ def evaluate(
     correct = 0.0
     # The same `generate` as training, so evaluation also exercises the sampling path the run uses.
     special = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    sampling = dict(temperature=temperature, truncation=truncation, generator=generator)
+    sampling = dict(temperature=temperature, truncation=truncation, generator=generator, fast=fast)
     per_call = max(1, batch_size // samples)  # problems per generate call: at most batch_size rows
     for s in range(0, len(problems), per_call):
         chunk = problems[s : s + per_call]
@@ -165,14 +166,17 @@ def evaluation(cfg: Config, model, tokenizer, heldout: list[Problem], device) ->
     samples per problem). The samples draw from a generator of their own, seeded afresh each time: the training
     sampler's stream is untouched, and every evaluation of the run sees the same noise."""
     reward = reward_of(cfg.task)
-    out = {"eval_accuracy": evaluate(model, tokenizer, heldout, cfg.max_new_tokens, device, reward)}
-    if cfg.eval_samples:
-        gen = torch.Generator(device=device).manual_seed(cfg.seed + EVAL_SEED)
-        temperature = cfg.temperature if cfg.eval_temperature is None else cfg.eval_temperature
-        sampling = dict(samples=cfg.eval_samples, temperature=temperature, truncation=cfg.eval_truncation)
-        out["eval_pass1"] = evaluate(
-            model, tokenizer, heldout, cfg.max_new_tokens, device, reward, **sampling, generator=gen
-        )
+    # The sampler as training runs it: the same path, under the same autocast (on CUDA its own static decoder,
+    # kept beside training's).
+    with autocast(cfg, device):
+        out = {"eval_accuracy": evaluate(model, tokenizer, heldout, cfg.max_new_tokens, device, reward, fast=cfg.fast)}
+        if cfg.eval_samples:
+            gen = torch.Generator(device=device).manual_seed(cfg.seed + EVAL_SEED)
+            temperature = cfg.temperature if cfg.eval_temperature is None else cfg.eval_temperature
+            sampling = dict(samples=cfg.eval_samples, temperature=temperature, truncation=cfg.eval_truncation)
+            out["eval_pass1"] = evaluate(
+                model, tokenizer, heldout, cfg.max_new_tokens, device, reward, **sampling, generator=gen, fast=cfg.fast
+            )
     return out
 
 
@@ -368,7 +372,7 @@ def run(cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: list[
     sampler = (
         f"every {v} steps, the next {v} batches at once (log alpha: {cfg.alpha_logp_from})" if v > 1 else "every step"
     )
-    writer.log(f"sampling path: {sampling_path(models.policy)}; the policy samples {sampler}")
+    writer.log(f"sampling path: {sampling_path(models.policy, cfg.fast)}; the policy samples {sampler}")
     stream = PromptStream(train_set, cfg.seed)
 
     def draw(n: int) -> list:
@@ -454,6 +458,17 @@ def where_the_run_stands(out: str, steps: int) -> str:
     return f"{done}, newest checkpoint {ck.name}; continue with: python train.py --resume --out {out}"
 
 
+def out_of_memory(cfg: Config, e: torch.OutOfMemoryError) -> str:
+    """The line of a run that ran out of device memory: what ran out, the flags that bound it, where the run stands."""
+    what = (str(e).strip().splitlines() or ["out of memory"])[0][:160]
+    mb = cfg.micro_batch or "auto"
+    levers = (
+        f"lower --micro-batch (now {mb}: sequences per forward/backward) or --sample-rows (now {cfg.sample_rows}: "
+        "rows per generate call), or add --gradient-checkpointing"
+    )
+    return f"out of memory ({what}); {levers}; {where_the_run_stands(cfg.out, cfg.steps)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """The CLI. Every expected failure is one line on stderr: exit 2 for bad input (or a disk that fails), 3 for a
     diverged run, 130 for Ctrl-C and 143 for SIGTERM."""
@@ -474,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
         where = "" if cfg is None else f"; {where_the_run_stands(cfg.out, cfg.steps)}"
         print(f"stopped by {e}{where}", file=sys.stderr)
         return e.exit_status
+    except torch.OutOfMemoryError as e:
+        print(f"error: {out_of_memory(cfg, e)}", file=sys.stderr)
+        return 2
     except OSError as e:  # a full disk, a folder made read-only under the run, ...
         where = "" if cfg is None else f"; {where_the_run_stands(cfg.out, cfg.steps)}"
         print(f"error: {e}{where}", file=sys.stderr)

@@ -229,7 +229,6 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
     models = make_models(cfg, model)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     reward_fn = synthetic_reward(tok, cfg.group_size, torch.Generator().manual_seed(cfg.seed + 1))
-    fast = {"auto": None, "plain": False, "fast": True}[args.sampling]
     rng = random.Random(cfg.seed)
 
     def draw(n: int) -> list:
@@ -253,7 +252,7 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
                 reset_peak_memory(device)
                 peaks.clear()
             t = clock(device)
-            res, cycle = grpo_step(cfg, models, tok, k, gen, cycle, draw, ignore_eos=True, fast=fast)
+            res, cycle = grpo_step(cfg, models, tok, k, gen, cycle, draw, ignore_eos=True)
             if k >= warmup:
                 rows.append(dict(res.times, step=clock(device) - t, tokens=int(res.rollout.completion_mask.sum())))
     finally:
@@ -267,7 +266,7 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
         "tokens_per_s": mean("tokens") / mean("step"),
         "peak_mem_gb": max([peak_memory_gb(device), *peaks]),
         "update_mem_gb": max(update_gb[-steps:]) if update_gb else 0.0,
-        "sampling_path": sampling_path(models.policy, fast),
+        "sampling_path": sampling_path(models.policy, cfg.fast),
         "timed_steps": steps,
         "warmup_steps": warmup,
     }
@@ -305,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             offpolicy_steps=args.offpolicy_steps,
             alpha_logp_from=args.alpha_logp_from,
             sample_rows=args.sample_rows,
+            sampling=args.sampling,
             beta=args.beta,
             micro_batch=args.micro_batch,
             gradient_checkpointing=args.gradient_checkpointing,

@@ -330,3 +330,103 @@ def test_a_failed_graph_capture_falls_back_to_the_plain_loop_with_one_line(tok, 
     assert model in decoding._NO_FAST and model not in decoding._DECODERS
     generate(model, ids, mask, generator=torch.Generator().manual_seed(3), **kw)  # no second capture, no second line
     assert capsys.readouterr().err == ""
+
+
+# --- 4. train.py: --sampling, out of memory, evaluation under autocast ------------------------------------------
+
+
+def tiny_args(cache, out, *extra):
+    from conftest import TEST_WARMUP
+
+    return [
+        *("--steps", "4", "--prompts-per-step", "2", "--group-size", "4", "--eval-size", "8", "--eval-every", "0"),
+        *("--offpolicy-steps", "2", "--save-every", "1", "--warmup-steps", str(TEST_WARMUP)),
+        *("--cache-dir", cache, "--out", str(out), "--no-progress", *extra),
+    ]
+
+
+@pytest.mark.model
+def test_out_of_memory_in_a_step_is_one_line_naming_the_levers_and_the_checkpoint_stays(
+    warm_cache, tmp_path, monkeypatch, capsys
+):
+    import transformers
+
+    import train
+    from checkpoint import latest_checkpoint
+
+    real, calls = transformers.Qwen2Model.forward, []
+
+    def forward(self, *a, **kw):  # the third update's forward (step 2) runs out of memory, as on a GPU
+        calls.append(torch.is_grad_enabled())
+        if sum(calls) == 3 and calls[-1]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.50 GiB")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(transformers.Qwen2Model, "forward", forward)
+    assert train.main(tiny_args(warm_cache, tmp_path / "run")) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "Loading weights" not in line]
+    assert len(err) == 1 and err[0].startswith("error: out of memory (CUDA out of memory"), err
+    assert "--micro-batch" in err[0] and "--sample-rows" in err[0], err
+    kept = latest_checkpoint(str(tmp_path / "run"))
+    assert kept is not None and kept.name in err[0] and "1 of 4 steps done" in err[0], err
+    # The resume the line suggests, with a smaller micro-batch (a memory knob a resume may change).
+    monkeypatch.setattr(transformers.Qwen2Model, "forward", real)
+    assert train.main(["--resume", "--out", str(tmp_path / "run"), "--micro-batch", "4", "--no-progress"]) == 0
+    assert (tmp_path / "run" / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.model
+def test_sampling_fast_trains_on_the_static_cache_and_survives_a_failed_capture(
+    warm_cache, tmp_path, monkeypatch, capsys
+):
+    import json
+
+    import decoding
+    import train
+
+    # The CPU pretends to capture graphs; the capture fails: one line, and the run goes on to its end.
+    monkeypatch.setattr(decoding, "graphs_on", lambda device: True)
+    monkeypatch.setattr(decoding.StaticDecoder, "_capture", lambda self, model: 1 / 0)
+    assert train.main(tiny_args(warm_cache, tmp_path / "run", "--sampling", "fast")) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 1 and "ZeroDivisionError" in warned[0], warned
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    mismatch = [row["sampler_mismatch"] for row in rows if "sampler_mismatch" in row]
+    assert len(rows) == 4 and len(mismatch) == 4 and max(mismatch) < 1e-4, rows
+
+
+def test_evaluation_samples_under_the_training_autocast(tok, monkeypatch):
+    import train
+    from config import Config, resolve
+    from tasks import Problem
+
+    seen = []
+
+    def generate(*a, fast=None, **kw):
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), fast))
+        raise StopIteration  # nothing to score: the state at the call is the test
+
+    monkeypatch.setattr(train, "generate", generate)
+    cfg = resolve(Config(device="cpu", dtype="bfloat16", sampling="fast", out="/tmp/unused"))
+    with pytest.raises(StopIteration):
+        train.evaluation(cfg, torch.nn.Linear(1, 1), tok, [Problem("1+1=", "2")], "cpu")
+    assert seen == [(True, torch.bfloat16, True)]
+
+
+def test_the_default_micro_batch_is_the_largest_divisor_whose_activations_fit():
+    from types import SimpleNamespace
+
+    from policy import activation_bytes_per_token, auto_micro_batch, micro_batch_fitting
+
+    # Qwen2.5-0.5B's shape: H = 896, I = 4864, 24 layers.
+    qwen = SimpleNamespace(hidden_size=896, intermediate_size=4864, num_hidden_layers=24)
+    per_token = 24 * (2 * (6 * 896 + 4 * 4864) + 16 * 896)  # 1,536,000 bytes a token
+    assert activation_bytes_per_token(qwen, checkpointing=False) == per_token
+    assert activation_bytes_per_token(qwen, checkpointing=True) == 4 * 896 * 24 + per_token // 24
+    # 512 rows of 384 tokens (GSM8K-sized) with 100 GB free: half of it holds 84 rows; the largest divisor is 64.
+    assert 50e9 // (384 * per_token) == 84
+    assert micro_batch_fitting(qwen, 512, 384, False, free_bytes=100 * 10**9) == 64
+    assert micro_batch_fitting(qwen, 512, 384, True, free_bytes=100 * 10**9) == 512  # checkpointing: all of it
+    assert micro_batch_fitting(qwen, 512, 384, False, free_bytes=10**6) == 1  # never 0
+    # On a CPU the whole batch, as the shipped runs were made.
+    assert auto_micro_batch(torch.nn.Linear(2, 2), 128, 40, False) == 128
