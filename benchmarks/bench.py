@@ -50,7 +50,7 @@ from benchmarks.compare import FITS, compare, fit_name
 from config import Config, ConfigError, resolve, validate
 from decoding import sampling_path
 from integrations.trl_bench import subclass_step_times, trl_step_times
-from policy import gguf_file, load_gguf
+from policy import auto_micro_batch, gguf_file, load_gguf
 from run_io import current_memory_gb, peak_memory_gb, reset_peak_memory
 from step import clock, grpo_step, make_models
 
@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of prompts, rewards and sampling")
     p.add_argument("--vs-trl", action="store_true", help="also time TRL's GRPOTrainer on the same model and sizes")
+    p.add_argument(
+        "--vs-generate", action="store_true", help="also time transformers' model.generate on the same shapes"
+    )
     p.add_argument(
         "--trl-subclass",
         action="store_true",
@@ -236,6 +239,7 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
         return [(p, torch.ones_like(p), reward_fn) for p in prompts]  # (B, P) each, no padding
 
     rows, cycle, peaks, update_gb = [], None, [], []
+    n, length = cfg.prompts_per_step * cfg.group_size, args.prompt_len + cfg.max_new_tokens
 
     def measured_update(*a, **kw):  # step.update, and the memory it adds at its peak: what checkpointing shrinks
         peaks.append(peak_memory_gb(device))  # the peak so far survives the reset below
@@ -254,9 +258,12 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
             t = clock(device)
             res, cycle = grpo_step(cfg, models, tok, k, gen, cycle, draw, ignore_eos=True)
             if k >= warmup:
-                rows.append(dict(res.times, step=clock(device) - t, tokens=int(res.rollout.completion_mask.sum())))
+                row = dict(res.times, step=clock(device) - t, tokens=int(res.rollout.completion_mask.sum()))
+                rows.append(row | {"sampler_mismatch": res.stats.get("sampler_mismatch")})
     finally:
         step.update = plain_update
+    # The sampler's log alpha against a full forward (step.sampler_mismatch), over the steps that measure it.
+    mismatch = [r["sampler_mismatch"] for r in rows if r["sampler_mismatch"] is not None]
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     mean = lambda key: statistics.fmean(r[key] for r in rows)  # noqa: E731
     return {
@@ -266,10 +273,43 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
         "tokens_per_s": mean("tokens") / mean("step"),
         "peak_mem_gb": max([peak_memory_gb(device), *peaks]),
         "update_mem_gb": max(update_gb[-steps:]) if update_gb else 0.0,
+        # A refresh samples its cycle's batches: the tokens of the timed steps over their sampling seconds.
+        "sample_tokens_per_s": sum(r["tokens"] for r in rows) / max(sum(r["sample"] for r in rows), 1e-9),
+        "sampler_mismatch": statistics.fmean(mismatch) if mismatch else None,
         "sampling_path": sampling_path(models.policy, cfg.fast),
+        # --micro-batch, or the default's choice for these shapes with the memory free now (policy.auto_micro_batch)
+        "micro_batch": cfg.micro_batch or auto_micro_batch(models.policy, n, length, cfg.gradient_checkpointing),
         "timed_steps": steps,
         "warmup_steps": warmup,
     }
+
+
+@torch.no_grad()
+def generate_tokens_per_s(cfg: Config, args, model, tok, words) -> float:
+    """transformers' own `model.generate` on the same shapes, the baseline of our sampler: B prompts of --prompt-len
+    tokens, G sampled completions each, every one --max-new-tokens long (min_new_tokens: no early EOS), under the
+    run's autocast. One untimed call, then the tokens per second of one timed call."""
+    device = torch.device(cfg.device)
+    ids = make_prompts(tok, words, cfg.prompts_per_step, args.prompt_len, random.Random(cfg.seed))[0].to(device)
+    kw = dict(
+        attention_mask=torch.ones_like(ids),
+        do_sample=True,
+        temperature=cfg.temperature,
+        top_k=0,
+        num_return_sequences=cfg.group_size,
+        max_new_tokens=cfg.max_new_tokens,
+        min_new_tokens=cfg.max_new_tokens,
+        pad_token_id=tok.pad_token_id,
+    )
+    was_training = model.training
+    model.eval()
+    with step.autocast(cfg, device):
+        model.generate(ids, **kw)
+        t = clock(device)
+        out = model.generate(ids, **kw)
+        seconds = clock(device) - t
+    model.train(was_training)
+    return (out.shape[1] - ids.shape[1]) * out.shape[0] / seconds
 
 
 @contextlib.contextmanager
@@ -345,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res), flush=True)
         return 0
 
+    generate_tps = generate_tokens_per_s(cfg, args, model, tok, words) if args.vs_generate else None
     ours = bench_ours(cfg, args, model, tok, words)
     n_params = sum(p.numel() for p in model.parameters())
     print(
@@ -355,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         f"B={cfg.prompts_per_step} G={cfg.group_size} N={n}, "
         f"prompt {args.prompt_len} + {cfg.max_new_tokens} new tokens, "
         f"beta {cfg.beta}, v={cfg.offpolicy_steps} (log alpha: {cfg.alpha_logp_from}), "
-        f"micro-batch {cfg.micro_batch or n}; "
+        f"micro-batch {ours['micro_batch']}{'' if cfg.micro_batch else ' (auto)'}; "
         f"means over {ours['timed_steps']} steps after {ours['warmup_steps']} warm-up"
     )
     print(f"{'phase':<10}{'mean s':>10}{'share':>8}")
@@ -366,10 +407,15 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens/s {ours['tokens_per_s']:.0f}, peak memory {ours['peak_mem_gb']:.2f} GB, "
         f"the update's own {ours['update_mem_gb']:.2f} GB"
     )
+    mismatch = "-" if ours["sampler_mismatch"] is None else f"{ours['sampler_mismatch']:.2e}"
+    baseline = "" if generate_tps is None else f"; model.generate on the same shapes {generate_tps:.0f} tokens/s"
+    print(f"sampling {ours['sample_tokens_per_s']:.0f} tokens/s{baseline}; sampler_mismatch {mismatch}")
 
     keys = ("step_s", "phases", "tokens_per_s", "peak_mem_gb", "update_mem_gb", "sampling_path", "step_s_mean")
-    keys += ("timed_steps",)
+    keys += ("timed_steps", "sample_tokens_per_s", "sampler_mismatch")
     result = {k: ours[k] for k in keys}
+    if generate_tps is not None:
+        result["generate_tokens_per_s"] = generate_tps
     result.update(
         model=args.model,
         device=cfg.device,
@@ -381,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         beta=cfg.beta,
         offpolicy_steps=cfg.offpolicy_steps,
         alpha_logp_from=cfg.alpha_logp_from,
-        micro_batch=cfg.micro_batch or n,
+        micro_batch=ours["micro_batch"],
         steps=args.steps,
         fit=fit_name(cfg),
     )
