@@ -7,6 +7,7 @@ plain sampling loop for the static-cache one, a patched torch function for the d
 """
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -356,6 +357,7 @@ def test_out_of_memory_in_a_step_is_one_line_naming_the_levers_and_the_checkpoin
 
     real, calls = transformers.Qwen2Model.forward, []
 
+    @functools.wraps(real)  # the same signature, so the caller still sees `cache` among its parameters
     def forward(self, *a, **kw):  # the third update's forward (step 2) runs out of memory, as on a GPU
         calls.append(torch.is_grad_enabled())
         if sum(calls) == 3 and calls[-1]:
