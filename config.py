@@ -132,6 +132,11 @@ class Config:
         "k3", "KL estimator: k1 = log(pi_theta/pi_ref), k2 = k1^2 / 2, k3 (Schulman)", ["k1", "k2", "k3"]
     )
     beta: float = arg(0.0, "KL coefficient; > 0 keeps a reference model pi_ref")
+    kl_importance_weight: bool = arg(
+        False,
+        "weight the KL term's per-token estimate by rho = pi_theta / alpha (TRL's use_bias_correction_kl, "
+        "DeepSeek-V3.2): on alpha's samples it then estimates KL(pi_theta || pi_ref), the term [A] writes",
+    )
     ref_refresh: int = arg(0, "copy the policy into pi_ref every this many steps (0 = never)")
     agg: str = arg(
         "token-mean",
@@ -251,6 +256,7 @@ HELP_GROUPS = {
         "is_level",
         "beta",
         "kl_estimator",
+        "kl_importance_weight",
         "ref_refresh",
         "agg",
         "tau_reg",

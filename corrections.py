@@ -162,6 +162,7 @@ def corrected_policy_loss(
     clip_center: str = "pi_k",
     beta: float = 0.0,
     kl_estimator: str = "k3",
+    kl_importance_weight: bool = False,
     agg: str = "token-mean",
     max_new_tokens: int | None = None,
     total: float | None = None,
@@ -215,7 +216,10 @@ def corrected_policy_loss(
         loss_mask=loss_mask,
     )
     kept = loss_mask if keep is None else loss_mask * keep  # (N, T) MIS: what stays in the loss and its normaliser
-    loss, kl = penalised_loss(objective, logp, ref_logp, kept, beta, kl_estimator, agg, max_new_tokens, total)
+    kl_weight = rho if kl_importance_weight else None
+    loss, kl = penalised_loss(
+        objective, logp, ref_logp, kept, beta, kl_estimator, agg, max_new_tokens, total, kl_weight
+    )
     return loss, loss_stats(loss_mask, rho, clip_low, clip_high, kl)
 
 

@@ -1,10 +1,12 @@
 """The fast sampling path of `rollout.generate` on CUDA: an optimisation beside `rollout.sample`, the reference.
 
+    static_sampler       what the loop passes as `generate(sampler=...)` (step.sampler): `sample_static` where it
+                         applies, else rollout.sample; a failed graph capture samples again on rollout.sample
     sample_static        rollout.sample's loop on a static KV cache, written in place; on CUDA the decode step
                          is captured once as a CUDA graph and replayed, so a step costs no Python per layer
                          (gpt-fast's technique). It samples by the exponential race (`sample_exponential_race`).
-    use_static_decoder   whether `generate` takes it: on CUDA, for models it fits, once a probe step worked
-    sampling_path        the name of the path `generate` would take ("plain", "static-cache", "+cuda-graph")
+    use_static_decoder   whether `static_sampler` takes it: on CUDA, for models it fits, once a probe step worked
+    sampling_path        the name of the path `static_sampler(fast)` would take ("plain", "static-cache", "+cuda-graph")
 
 tests/test_fastpath.py and tests/test_gpu_path.py check that the two paths agree (greedy tokens identical, sampled
 log-probs against a full forward), on Qwen2, Llama and a PEFT-wrapped model, and under bf16 autocast. Deviation from
@@ -33,6 +35,7 @@ from logprobs import (
     position_ids_from_mask,
     sampling_logits,
 )
+from rollout import sample
 
 
 def warn(msg: str) -> None:
@@ -58,13 +61,15 @@ def static_cache_fits(model) -> bool:
 
 
 def sampling_path(model, fast: bool | None = None) -> str:
-    """How `generate(model, ..., fast=fast)` samples: "plain", "static-cache" or "static-cache+cuda-graph"."""
+    """How `static_sampler(fast)` samples on `model`: "plain", "static-cache" or "static-cache+cuda-graph"."""
     on_cuda = next(model.parameters()).device.type == "cuda"
     ok = static_cache_fits(model)
     if fast is False or (fast is None and not (ok and on_cuda and model not in _NO_FAST)):
         return "plain"
     if not ok:
-        raise ValueError("generate(fast=True) needs a transformers model with sdpa attention and full-attention layers")
+        raise ValueError(
+            "static_sampler(True) needs a transformers model with sdpa attention and full-attention layers"
+        )
     return "static-cache+cuda-graph" if on_cuda and model not in _NO_GRAPH else "static-cache"
 
 
@@ -261,7 +266,7 @@ def _try_static_path(model, device) -> None:
 
 
 def use_static_decoder(model, n: int, length: int, fast: bool | None = None, log=warn) -> bool:
-    """Whether `rollout.generate` samples N rows of up to `length` tokens with `sample_static`.
+    """Whether `static_sampler` samples N rows of up to `length` tokens with `sample_static`.
 
     fast=False: no. fast=True: yes, whatever happens (errors are the caller's). fast=None (auto): where
     `sampling_path` allows it (CUDA), once the static cache has taken one probe step on this model; should the
@@ -290,6 +295,26 @@ def capture_failed(model, error: GraphCaptureError, log=warn) -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     log(f"rollout: capturing the decode step as a CUDA graph failed ({error}); sampling on the plain loop")
+
+
+def static_sampler(fast: bool | None = None):
+    """A sampling loop for `rollout.generate(sampler=...)`: `sample_static` where `use_static_decoder(fast)` allows
+    (fast=None: auto, on CUDA; True: always; False: never), else rollout.sample. Should the graph capture fail, the
+    call samples again on rollout.sample from the same generator state, and the run goes on (`capture_failed`)."""
+
+    def draw(model, prompt_ids, prompt_mask, rows, **kw) -> dict:
+        if use_static_decoder(model, rows.numel(), prompt_ids.shape[1] + kw["max_new_tokens"], fast):
+            generator = kw["generator"]
+            state = generator.get_state() if generator is not None else None
+            try:
+                return sample_static(model, prompt_ids, prompt_mask, rows, **kw)
+            except GraphCaptureError as e:
+                capture_failed(model, e)
+                if state is not None:
+                    generator.set_state(state)
+        return sample(model, prompt_ids, prompt_mask, rows, **kw)
+
+    return draw
 
 
 @torch.no_grad()

@@ -1,21 +1,30 @@
 """[A]'s objective: the clipped off-policy surrogate with a KL penalty, and the aggregation every loss shares.
 
+The default (train.py's flags as they stand): clip centred on pi_k with eps = 0.2, beta = 0 (no KL term), the
+token mean over the loss's tokens, one inner step (i = 1). At that step's only gradient pi_theta = pi_k, so
+rho = rho' lies inside its interval [rho' - eps, rho' + eps], the clip does not act, and
+
+    grad loss = - (1 / |T|) sum_{(i, t) in T} rho'_it A_i grad log pi_theta(y_it),   rho' = pi_k / alpha,
+
+a rho'-weighted REINFORCE step over the tokens T of the groups with signal; on-policy (v = 1) rho' = 1 and it is
+the group-baseline policy gradient. The clip acts from the second inner step on, or with --clip-center alpha.
+
 The log-probs of the sampled completion tokens, each (N, T), named as in docs/design.md, "Notation":
     logp        log pi_theta   the policy being trained (the only one with a gradient)
     pi_k_logp   log pi_k       pi_theta at the start of step k, before its first optimizer step
     alpha_logp  log alpha      the sampler: pi_theta at the last refresh, up to v - 1 steps old
     ref_logp    log pi_ref     the KL reference (None: no KL term)
 and a `loss_mask` (N, T): 1 on the tokens that count, the completion tokens up to and including EOS of the
-groups that carry signal.
-
-The staleness corrections of other engines (AReaL's decoupled objective, TIS, MIS) are in corrections.py and
-[B]'s REINFORCE-family losses in reinforce.py; both reuse this file's KL estimators and aggregation.
+groups that carry signal. AReaL's, TIS's and MIS's corrections are in corrections.py, [B]'s losses in
+reinforce.py; both reuse this file's KL estimators and aggregation.
 
 Deviations from [A]:
   1. [A] averages per sequence (seq-mean); the default here is token-mean, which has no length bias
      (Dr. GRPO and DAPO point it out). All three aggregations are available (`aggregate`).
-  2. The lower clip bound of [A]'s interval is floored at 0: a ratio is never negative, so a negative bound
-     would be vacuous anyway.
+  2. The lower clip bound of [A]'s interval is floored at 0: a ratio is never negative.
+  3. [A] writes the penalty as KL(pi_theta || pi_ref) itself. The default estimates it per token on alpha's
+     samples without a weight, as GRPO, TRL without use_bias_correction_kl, and verl do; kl_importance_weight
+     weights it by rho, which makes it an estimate of [A]'s term (docs/design.md, "One KL").
 """
 
 from typing import NamedTuple
@@ -25,6 +34,50 @@ import torch
 CLIP_CENTERS = ("pi_k", "alpha")  # corrections.py adds "decoupled"
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token-mean", "seq-mean", "constant")
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    alpha_logp: torch.Tensor,
+    pi_k_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    clip_center: str = "pi_k",
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    kl_importance_weight: bool = False,
+    agg: str = "token-mean",
+    max_new_tokens: int | None = None,
+    total: float | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """[A]'s clipped off-policy surrogate with a KL penalty, as a loss to minimise (Algorithm 1, the update):
+
+        loss = - agg_t [ min(rho_t A, clip(rho_t, lo_t, hi_t) A) - beta w_t kl_t ]
+
+        rho_t = pi_theta(y_t) / alpha(y_t) (with grad),   rho'_t = pi_k(y_t) / alpha(y_t) (a constant)
+        [lo_t, hi_t] = [max(rho'_t - eps_low, 0), rho'_t + eps_high]   clip_center="pi_k"   ([A]'s f_eps)
+                     = [1 - eps_low, 1 + eps_high]                     clip_center="alpha"  (PPO)
+        kl_t = `kl_penalty`;   w_t = rho_t with kl_importance_weight, else 1;   agg = `aggregate`
+
+    [A] centres the clip on where rho stood at the start of the step, so that a stale sampler does not clip a
+    token merely for being stale. A: advantages, (N,) or (N, T); clip_eps_high None is clip_eps; a micro-batch
+    passes its whole step's `total`. Returns the loss and `loss_stats` over loss_mask's tokens.
+    """
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+    alpha_logp, pi_k_logp, ref_logp = neutral_outside(loss_mask, logp, alpha_logp, pi_k_logp, ref_logp)
+    objective, rho, clip_low, clip_high = surrogate(
+        logp, alpha_logp, pi_k_logp, advantages, clip_eps=clip_eps, clip_eps_high=clip_eps_high, clip_center=clip_center
+    )
+    kl_weight = rho if kl_importance_weight else None
+    loss, kl = penalised_loss(
+        objective, logp, ref_logp, loss_mask, beta, kl_estimator, agg, max_new_tokens, total, kl_weight
+    )
+    return loss, loss_stats(loss_mask, rho, clip_low, clip_high, kl)
 
 
 class Surrogate(NamedTuple):
@@ -73,61 +126,18 @@ def surrogate(
     return Surrogate(objective, rho, clip_low, clip_high)
 
 
-def policy_loss(
-    logp: torch.Tensor,
-    alpha_logp: torch.Tensor,
-    pi_k_logp: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    *,
-    clip_eps: float = 0.2,
-    clip_eps_high: float | None = None,
-    clip_center: str = "pi_k",
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    agg: str = "token-mean",
-    max_new_tokens: int | None = None,
-    total: float | None = None,
-) -> tuple[torch.Tensor, dict]:
-    """[A]'s clipped off-policy surrogate with a KL penalty, as a loss to minimise (Algorithm 1, the update).
-
-        loss = - agg_t [ min(rho_t A, clip(rho_t, lo_t, hi_t) A) - beta kl_t ]
-
-        rho_t  = pi_theta(y_t) / alpha(y_t)                  with grad
-        rho'_t = pi_k(y_t) / alpha(y_t)                      detached; 1 at a refresh step (alpha = pi_k)
-        [lo_t, hi_t] = [max(rho'_t - eps_low, 0), rho'_t + eps_high]   clip_center="pi_k"   ([A]'s f_eps)
-                     = [1 - eps_low, 1 + eps_high]                     clip_center="alpha"  (PPO)
-        kl_t  = `kl_penalty` (k3 by default);   agg = `aggregate` over loss_mask's tokens
-
-    [A] centres the clip on pi_k: rho' is where rho stood at the start of the step, so a stale sampler does not
-    clip a token merely for being stale; the interval bounds how far pi_theta moves from pi_k. PPO's centre
-    bounds how far it is from alpha. At a refresh rho' = 1 and the two coincide. With one inner step the
-    gradient is taken at rho = rho', where neither clip acts: a rho'-weighted REINFORCE step.
-
-    Legend: pi_theta -> logp, alpha -> alpha_logp, pi_k -> pi_k_logp, pi_ref -> ref_logp (None: no KL term),
-    A -> advantages ((N,) per sequence or (N, T)), eps_low -> clip_eps, eps_high -> clip_eps_high (None: clip_eps).
-    agg, max_new_tokens, total: `aggregate`'s; a micro-batch passes its whole step's `total`.
-
-    Returns the loss and float statistics over loss_mask's tokens: clip_low / clip_high (the fraction whose
-    gradient the clip removed), kl (the estimator's mean), rho_mean and tokens (their count).
-    """
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-    alpha_logp, pi_k_logp, ref_logp = neutral_outside(loss_mask, logp, alpha_logp, pi_k_logp, ref_logp)
-    objective, rho, clip_low, clip_high = surrogate(
-        logp, alpha_logp, pi_k_logp, advantages, clip_eps=clip_eps, clip_eps_high=clip_eps_high, clip_center=clip_center
-    )
-    loss, kl = penalised_loss(objective, logp, ref_logp, loss_mask, beta, kl_estimator, agg, max_new_tokens, total)
-    return loss, loss_stats(loss_mask, rho, clip_low, clip_high, kl)
-
-
-def penalised_loss(objective, logp, ref_logp, loss_mask, beta, kl_estimator, agg, max_new_tokens, total):
-    """The end of every clipped policy loss: - agg_t [ o_t - beta kl_t ] over loss_mask's tokens, and kl_t (N, T)
-    (zeros without a KL term), the estimate of KL(pi_theta || pi_ref) of `kl_penalty`."""
+def penalised_loss(
+    objective, logp, ref_logp, loss_mask, beta, kl_estimator, agg, max_new_tokens, total, kl_weight=None
+):
+    """The end of every clipped policy loss: - agg_t [ o_t - beta w_t kl_t ] over loss_mask's tokens, and w_t kl_t
+    (N, T) (zeros without a KL term). w = kl_weight: rho = pi_theta / alpha with its gradient (TRL's
+    use_bias_correction_kl, DeepSeek-V3.2's unbiased KL), so that on alpha's samples w kl estimates
+    E_alpha[rho k] = E_pi_theta[k] = KL(pi_theta || pi_ref) for k1 and k3; None: w = 1."""
     kl = torch.zeros_like(objective)  # (N, T)
     if ref_logp is not None and beta != 0.0:
         kl = kl_penalty(logp, ref_logp, kl_estimator)  # (N, T)
+        if kl_weight is not None:
+            kl = kl_weight * kl  # (N, T)
         objective = objective - beta * kl  # (N, T)
     return -aggregate(objective, loss_mask, agg, max_new_tokens, total), kl
 

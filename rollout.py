@@ -18,17 +18,17 @@ Deviations from common practice:
   1. The sampler is our own loop rather than `model.generate`, so that it takes a generator, returns the sampled
      tokens' log-probs and entropies, and treats EOS uniformly.
   2. A group's G rows share their prompt: it runs once per group, and its KV cache is fanned out to the G rows.
-  3. On CUDA `generate` calls decoding.py's `sample_static` instead (gpt-fast's technique: a static KV cache and
-     the decode step replayed as a CUDA graph; --sampling chooses). `sample` stays the reference;
-     tests/test_fastpath.py checks that the two agree. Should the graph capture fail, the call samples on `sample`.
+  3. `generate` runs the loop it is given: `sample`, the reference, by default; the loop passes decoding.py's
+     static-KV-cache sampler on CUDA (--sampling, step.sampler), tested equal (tests/test_fastpath.py). This file
+     imports only torch, transformers' DynamicCache and logprobs.py: the reference sampler copies with them.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
-from decoding import GraphCaptureError, capture_failed, sample_static, use_static_decoder
 from logprobs import Truncation, cache_kwarg, entropy_of, last_logits_only, position_ids_from_mask, sampling_logits
 
 
@@ -40,7 +40,7 @@ class Rollout:
     prompt_mask: torch.Tensor  # (N, P)
     completion_ids: torch.Tensor  # (N, T) sampled tokens, pad after EOS
     completion_mask: torch.Tensor  # (N, T) 1 up to and including EOS
-    alpha_logp: torch.Tensor  # (N, T) log alpha(y_t) as the sampler computed it (0 where masked)
+    sampler_logp: torch.Tensor  # (N, T) log alpha(y_t) as the sampler computed it, KV cache and all (0 where masked)
     entropy: torch.Tensor  # (N, T) entropy of alpha(. | prefix) at each sampled position
     truncated: torch.Tensor  # (N,) True if the completion hit max_new_tokens without EOS
 
@@ -59,20 +59,19 @@ class Sampled:
 
     rollout: Rollout
     rewards: torch.Tensor  # (N,)
-    alpha_logp: torch.Tensor  # (N, T) log alpha: recomputed by a forward of alpha at the refresh, or the sampler's
-    # True for the refresh step's own batch when log alpha is recomputed: alpha is pi_k there, and the update takes
-    # log alpha from pi_k's forward (the training numerics; `alpha_logp` then holds the sampler's, unused).
-    alpha_is_pi_k: bool
+    # (N, T) log alpha: a forward of alpha at the refresh (--alpha-logp-from recompute) or the sampler's own. None
+    # for the refresh step's own batch under recompute: alpha is pi_k there, whose log-probs the update's first
+    # forward gives (step.update).
+    alpha_logp: torch.Tensor | None
 
 
 @dataclass
 class Cycle:
     """The batches of one refresh cycle: steps start, start + 1, ..., sampled at once from alpha = pi_theta of
-    step `start` (step.py's module docstring). `times` holds the refresh's sampling, scoring and log-alpha seconds."""
+    step `start` (step.py's module docstring)."""
 
     start: int
     batches: list[Sampled]
-    times: dict
 
     def covers(self, step: int) -> bool:
         return self.start <= step < self.start + len(self.batches)
@@ -88,12 +87,11 @@ class Cycle:
             Sampled(
                 rollout=Rollout(**{k: v.to(device) for k, v in b["rollout"].items()}),
                 rewards=b["rewards"].to(device),
-                alpha_logp=b["alpha_logp"].to(device),
-                alpha_is_pi_k=b["alpha_is_pi_k"],
+                alpha_logp=None if b["alpha_logp"] is None else b["alpha_logp"].to(device),
             )
             for b in state["batches"]
         ]
-        return cls(state["start"], batches, times={})
+        return cls(state["start"], batches)
 
 
 @torch.no_grad()
@@ -110,7 +108,7 @@ def generate(
     truncation: Truncation | None = None,
     generator: torch.Generator | None = None,
     ignore_eos: bool = False,
-    fast: bool | None = None,
+    sampler: Callable[..., dict] | None = None,
 ) -> Rollout:
     """Sample `group_size` completions for each of B left-padded prompts from `model` (alpha).
 
@@ -120,7 +118,8 @@ def generate(
         truncation: top-k / top-p / min-p (logprobs.Truncation); the log-probs are renormalised over the kept set.
         generator: the torch.Generator used for sampling (on the model's device).
         ignore_eos: keep sampling past EOS (benchmarks, so every row has the same length).
-        fast: the static-cache + CUDA-graph decoder of decoding.py; None picks it on CUDA where it applies.
+        sampler: the sampling loop, called as `sample` is and returning what it returns (None: `sample`, the
+            reference; decoding.static_sampler: the static KV cache, a CUDA graph on a GPU).
 
     Returns:
         A Rollout with N = B * group_size rows, ordered group-major.
@@ -135,17 +134,7 @@ def generate(
         generator=generator,
         ignore_eos=ignore_eos,
     )
-    steps = None
-    if use_static_decoder(model, rows.numel(), prompt_ids.shape[1] + max_new_tokens, fast):
-        state = generator.get_state() if generator is not None else None
-        try:
-            steps = sample_static(model, prompt_ids, prompt_mask.long(), rows, **kw)  # the optimisation, decoding.py
-        except GraphCaptureError as e:  # the run goes on: this call samples again, from the same generator state
-            capture_failed(model, e)
-            if state is not None:
-                generator.set_state(state)
-    if steps is None:
-        steps = sample(model, prompt_ids, prompt_mask.long(), rows, **kw)
+    steps = (sampler or sample)(model, prompt_ids, prompt_mask.long(), rows, **kw)
     return to_rollout(prompt_ids[rows], prompt_mask[rows].long(), **steps)
 
 
@@ -213,7 +202,7 @@ def to_rollout(prompt_ids, prompt_mask, *, tokens, logps, entropies, lengths, al
         prompt_mask=prompt_mask,
         completion_ids=torch.stack(tokens, dim=1)[:, :t],  # (N, T)
         completion_mask=completion_mask,
-        alpha_logp=torch.stack(logps, dim=1)[:, :t],  # (N, T)
+        sampler_logp=torch.stack(logps, dim=1)[:, :t],  # (N, T)
         entropy=torch.stack(entropies, dim=1)[:, :t],  # (N, T)
         truncated=alive,  # (N,) no EOS by max_new_tokens
     )
@@ -236,7 +225,7 @@ def cat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         prompt_mask=torch.cat([pad(r.prompt_mask, p, 0, True) for r in parts]),  # (N, P)
         completion_ids=torch.cat([pad(r.completion_ids, t, pad_token_id, False) for r in parts]),  # (N, T)
         completion_mask=torch.cat([pad(r.completion_mask, t, 0, False) for r in parts]),  # (N, T)
-        alpha_logp=torch.cat([pad(r.alpha_logp, t, 0.0, False) for r in parts]),  # (N, T)
+        sampler_logp=torch.cat([pad(r.sampler_logp, t, 0.0, False) for r in parts]),  # (N, T)
         entropy=torch.cat([pad(r.entropy, t, 0.0, False) for r in parts]),  # (N, T)
         truncated=torch.cat([r.truncated for r in parts]),  # (N,)
     )
@@ -253,7 +242,7 @@ def rollout_rows(ro: Rollout, rows: slice) -> Rollout:
         prompt_mask=pm[:, first:],
         completion_ids=ro.completion_ids[rows, :t],
         completion_mask=cm[:, :t],
-        alpha_logp=ro.alpha_logp[rows, :t],
+        sampler_logp=ro.sampler_logp[rows, :t],
         entropy=ro.entropy[rows, :t],
         truncated=ro.truncated[rows],
     )

@@ -1,7 +1,11 @@
-"""One GRPO step, [A]'s Algorithm 1: what train.py's loop and the benchmark call.
+"""One GRPO step, [A]'s Algorithm 1: `reference_step` as plainly as it can be written, then `grpo_step`, the
+engine the loop and the benchmark call, which computes the same update (tests/test_reference.py) with what a real
+run needs beside it: micro-batches, the staleness corrections and [B]'s losses, LoRA, autocast, the fast sampler and
+log-probs, timers.
 
 Step k (v = --offpolicy-steps; docs/design.md walks through it with the papers' notation):
-  1. refresh: if k % v == 0, alpha <- pi_theta, and the batches of steps k, ..., k + v - 1 are sampled now;
+  1. refresh: when the cycle holds no batch for step k (k % v == 0, or a cycle lost: below), alpha <- pi_theta,
+     and the batches of steps k, ..., k + v - 1 are sampled now;
   2. sample G completions for each of B prompts from alpha (rollout.py);
   3. score them with a reward function (train.py: the verifier of reward.py; the benchmark: synthetic);
   4. group-relative advantages within the step's own groups, zero-std groups masked out (advantage.py);
@@ -31,13 +35,89 @@ from dataclasses import dataclass
 import torch
 
 from advantage import group_advantages, red_drop, red_weight
+from chunked_logprobs import chunked_token_logprobs
 from config import Config
 from corrections import corrected_policy_loss, mis_keep_mask, sampler_mismatch_stats
-from logprobs import chunked_token_logprobs
+from decoding import static_sampler
+from logprobs import token_logprobs
 from objective import aggregation_total, policy_loss
 from policy import BF16AdamW, auto_micro_batch, fit_policy
 from reinforce import opmd_loss, rec_loss
-from rollout import Cycle, Rollout, Sampled, generate_batches
+from rollout import Cycle, Rollout, Sampled, generate_batches, sample
+
+
+def reference_step(cfg: Config, policy, opt, ref, tokenizer, k: int, gen, cycle: list | None, draw) -> list:
+    """Step k of Algorithm 1 on [A]'s loss, one batch at once, float32: what `grpo_step` computes for the same
+    flags (tests/test_reference.py), without micro-batches, timers, LoRA, autocast or fast paths. `ref` is pi_ref
+    (None when beta = 0); `draw(n)` gives the next n steps' (prompt_ids, prompt_mask, reward_fn); `cycle` is the
+    previous call's result (None at first). Not here: --ref-refresh, --red, --reward-shuffle, --asymre-shift,
+    --is-cap/--is-mask, the decoupled clip, [B]'s losses, --alpha-logp-from sampler."""
+    v, G = cfg.offpolicy_steps, cfg.group_size
+
+    def logp_of(model, ro):  # log pi(y_t) (N, T) of the completions: logprobs.token_logprobs, the textbook line
+        ids, mask, completion_mask = ro.input_ids, ro.attention_mask, ro.completion_mask
+        return token_logprobs(model, ids, mask, completion_mask, cfg.temperature, cfg.truncation)
+
+    # 1-3. refresh: alpha <- pi_theta samples the batches of steps k, ..., k + v - 1 now, scores them, and records
+    # log alpha (alpha is frozen until the next refresh, so these are the batches it would sample later).
+    if k % v == 0:
+        draws = draw(min(v, cfg.steps - k))
+        rollouts = generate_batches(
+            policy,
+            [(ids, mask) for ids, mask, _ in draws],
+            group_size=G,
+            max_rows=cfg.sample_rows,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            truncation=cfg.truncation,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            generator=gen,
+        )
+        with torch.no_grad():
+            cycle = [(ro, reward_fn(ro), logp_of(policy, ro)) for ro, (_, _, reward_fn) in zip(rollouts, draws)]
+    ro, rewards, alpha_logp = cycle[k % v]
+
+    # 4. group-relative advantages; the groups whose rewards are all equal leave the loss
+    advantages, valid = group_advantages(rewards, G, mask_zero_std=cfg.mask_zero_std)  # (N,) each
+    loss_mask = ro.completion_mask * valid[:, None]  # (N, T)
+    if loss_mask.sum() == 0:
+        return cycle  # no group carries signal: no update
+
+    # 5. log pi_ref, a constant (the KL term's reference)
+    with torch.no_grad():
+        ref_logp = logp_of(ref, ro) if cfg.beta > 0 else None  # (N, T)
+
+    # 6. mu = --inner-steps optimizer steps on [A]'s clipped surrogate; pi_k is pi_theta before the first one
+    pi_k_logp = None
+    for i in range(cfg.inner_steps):
+        logp = logp_of(policy, ro)  # (N, T) log pi_theta, with grad
+        if i == 0:
+            pi_k_logp = logp.detach()
+        loss, _ = policy_loss(
+            logp,
+            alpha_logp,
+            pi_k_logp,
+            ref_logp,
+            advantages,
+            loss_mask,
+            clip_eps=cfg.clip_eps,
+            clip_eps_high=cfg.clip_eps_high,
+            clip_center=cfg.clip_center,
+            beta=cfg.beta,
+            kl_estimator=cfg.kl_estimator,
+            kl_importance_weight=cfg.kl_importance_weight,
+            agg=cfg.agg,
+            max_new_tokens=cfg.max_new_tokens,
+        )
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+        opt.step()
+    return cycle
+
+
+# --- the engine ------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -72,8 +152,7 @@ class Batch:
     completion_mask: torch.Tensor  # (N, T) 1 up to and including EOS
     loss_mask: torch.Tensor  # (N, T) completion tokens of the groups with signal: what the loss averages over
     advantages: torch.Tensor  # (N,)
-    alpha_logp: torch.Tensor  # (N, T) log alpha as the cycle recorded it (rollout.Sampled)
-    alpha_is_pi_k: bool  # the refresh step's batch with log alpha recomputed: the loss takes log pi_k for log alpha
+    alpha_logp: torch.Tensor | None  # (N, T) log alpha as the cycle recorded it; None: alpha = pi_k (rollout.Sampled)
 
 
 @dataclass
@@ -85,7 +164,7 @@ class StepResult:
     rewards: torch.Tensor  # (N,)
     batch: Batch
     stats: dict  # update()'s averages (or skipped_no_signal when no group had signal), and sampler_mismatch
-    times: dict  # seconds: refresh, sample, score, logprob, update
+    times: dict  # seconds: refresh, sample, score, logprob, update (Timer)
 
 
 def grpo_step(
@@ -112,72 +191,57 @@ def grpo_step(
     Raises FloatingPointError when the sampler's logits are not finite (a diverged policy).
     """
     device = next(models.policy.parameters()).device
-    times = dict.fromkeys(("refresh", "sample", "score", "logprob"), 0.0)
-    t = clock(device)
-    # ---- pi_ref <- pi_theta every --ref-refresh steps ----
-    if models.ref is not None and cfg.ref_refresh and step > 0 and step % cfg.ref_refresh == 0:
-        models.ref.load_state_dict(models.policy.state_dict())
-    times["refresh"] = clock(device) - t
+    timer = Timer(device)
+    with timer("refresh"):  # pi_ref <- pi_theta every --ref-refresh steps
+        if models.ref is not None and cfg.ref_refresh and step > 0 and step % cfg.ref_refresh == 0:
+            models.ref.load_state_dict(models.policy.state_dict())
 
     # ---- 1-3. a refresh: alpha <- pi_theta samples and scores the batches of its cycle ----
     refresh = cycle is None or not cycle.covers(step)  # k % v == 0, or a cycle lost (module docstring)
     if refresh:
         n = min(cfg.offpolicy_steps - step % cfg.offpolicy_steps, cfg.steps - step)  # to the next refresh or the end
-        cycle = sample_cycle(cfg, models, tokenizer, step, draw(n), gen, ignore_eos=ignore_eos)
-        times.update(cycle.times)  # the refresh step carries the cycle's sampling, scoring and log alpha
+        cycle = sample_cycle(cfg, models, tokenizer, step, draw(n), gen, timer, ignore_eos=ignore_eos)
     sampled = cycle.batches[step - cycle.start]
     ro, rewards = sampled.rollout, sampled.rewards
-    t = clock(device)
 
     # ---- 4. group-relative advantages within the step's own groups (zero-std groups leave the loss) ----
-    advantages, valid = compute_advantages(cfg, rewards, gen)  # (N,) each
-    batch = Batch(
-        input_ids=ro.input_ids,
-        attention_mask=ro.attention_mask,
-        completion_mask=ro.completion_mask,
-        loss_mask=ro.completion_mask * valid[:, None],
-        advantages=advantages,
-        alpha_logp=sampled.alpha_logp,
-        alpha_is_pi_k=sampled.alpha_is_pi_k,
-    )
-    times["score"], t = times["score"] + clock(device) - t, clock(device)
+    with timer("score"):
+        advantages, valid = compute_advantages(cfg, rewards, gen)  # (N,) each
+        batch = Batch(
+            input_ids=ro.input_ids,
+            attention_mask=ro.attention_mask,
+            completion_mask=ro.completion_mask,
+            loss_mask=ro.completion_mask * valid[:, None],
+            advantages=advantages,
+            alpha_logp=sampled.alpha_logp,
+        )
 
     # ---- 5. log pi_ref without grad, with a KL term ----
-    ref_logp = ref_logprobs(cfg, models, ro)  # (N, T), None without a KL term
-    times["logprob"], t = times["logprob"] + clock(device) - t, clock(device)
+    with timer("logprob"):
+        ref_logp = ref_logprobs(cfg, models, ro)  # (N, T), None without a KL term
 
     # ---- 6. update: --inner-steps optimizer steps on the loss ----
-    updated = batch.loss_mask.sum() > 0
-    if updated:
-        stats, pi_k_logp = update(cfg, models.policy, models.opt, batch, ref_logp)
-    else:  # every group had equal rewards: no optimizer step
-        stats = {"nonfinite_updates": 0, "skipped_no_signal": 1}
-    # The sampler's own log alpha (KV cache, maybe the fast path) against a full forward of the same policy: pi_k's
-    # at a refresh (alpha = pi_k), the recomputed one after it. They should agree to rounding.
-    if refresh:
-        if not updated:
-            with torch.no_grad():
-                pi_k_logp = policy_logprobs(cfg, models.policy, batch)  # (N, T)
-        stats["sampler_mismatch"] = sampler_mismatch(ro, pi_k_logp, batch.loss_mask)
-    elif cfg.alpha_logp_from == "recompute":
-        stats["sampler_mismatch"] = sampler_mismatch(ro, batch.alpha_logp, batch.loss_mask)
-    times["update"] = clock(device) - t
-    return StepResult(refresh, ro, rewards, batch, stats, times), cycle
+    with timer("update"):
+        if batch.loss_mask.sum() > 0:
+            stats, pi_k_logp = update(cfg, models.policy, models.opt, batch, ref_logp)
+        else:  # every group had equal rewards: no optimizer step
+            stats, pi_k_logp = {"nonfinite_updates": 0, "skipped_no_signal": 1}, None
+        stats.update(sampler_mismatch(cfg, models.policy, batch, ro, refresh, pi_k_logp))
+    return StepResult(refresh, ro, rewards, batch, stats, timer.seconds), cycle
 
 
-def sample_cycle(cfg: Config, models: Models, tokenizer, start: int, draws: list, gen, *, ignore_eos) -> Cycle:
+def sample_cycle(cfg: Config, models: Models, tokenizer, start: int, draws: list, gen, timer, *, ignore_eos) -> Cycle:
     """Steps 1-3 for the steps start, ..., start + len(draws) - 1 at once, from alpha = pi_theta now.
 
     draws: one (prompt_ids, prompt_mask, reward_fn) per step, in the order the steps would have drawn them.
     log alpha (--alpha-logp-from): `recompute`, a no-grad forward of pi_theta over the batches after the first
-    (the first batch's alpha is pi_k, whose log-probs its update's first epoch records); or `sampler`, the
-    log-probs `generate` recorded while sampling, for every batch. Raises FloatingPointError when the sampler's
+    (the first batch's alpha is pi_k, whose log-probs its update's first epoch records: None here); or `sampler`,
+    the log-probs `generate` recorded while sampling, for every batch. Raises FloatingPointError when the sampler's
     logits are not finite (a diverged policy).
     """
-    device, times = draws[0][0].device, {}
-    t = clock(device)
+    device = draws[0][0].device
     models.policy.eval()
-    with autocast(cfg, device):
+    with timer("sample"), autocast(cfg, device):
         rollouts = generate_batches(
             models.policy,
             [(ids, mask) for ids, mask, _ in draws],
@@ -190,25 +254,21 @@ def sample_cycle(cfg: Config, models: Models, tokenizer, start: int, draws: list
             pad_token_id=tokenizer.pad_token_id,
             generator=gen,
             ignore_eos=ignore_eos,
-            fast=cfg.fast,
+            sampler=sampler(cfg),
         )
-    times["sample"], t = clock(device) - t, clock(device)
-    rewards = [reward_fn(ro) for ro, (_, _, reward_fn) in zip(rollouts, draws)]  # (N,) each
-    times["score"], t = clock(device) - t, clock(device)
-    batches = []
-    with torch.no_grad(), autocast(cfg, device):
+    with timer("score"):
+        rewards = [reward_fn(ro) for ro, (_, _, reward_fn) in zip(rollouts, draws)]  # (N,) each
+    with timer("logprob"), torch.no_grad():
+        batches = []
         for j, (ro, r) in enumerate(zip(rollouts, rewards)):
             if cfg.alpha_logp_from == "sampler":
-                batches.append(Sampled(ro, r, ro.alpha_logp, alpha_is_pi_k=False))
+                alpha_logp = ro.sampler_logp
             elif j == 0:
-                batches.append(Sampled(ro, r, ro.alpha_logp, alpha_is_pi_k=True))  # the update records log pi_k
+                alpha_logp = None  # alpha = pi_k: the update's first forward gives log alpha
             else:
-                alpha_logp = chunked_token_logprobs(
-                    models.policy, ro.input_ids, ro.attention_mask, ro.completion_mask, cfg.temperature, cfg.truncation
-                )  # (N, T)
-                batches.append(Sampled(ro, r, alpha_logp, alpha_is_pi_k=False))
-    times["logprob"] = clock(device) - t
-    return Cycle(start, batches, times)
+                alpha_logp = logprobs(cfg, models.policy, ro)  # (N, T)
+            batches.append(Sampled(ro, r, alpha_logp))
+    return Cycle(start, batches)
 
 
 def compute_advantages(cfg: Config, rewards: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,14 +303,16 @@ def update(cfg: Config, policy, opt, batch: Batch, ref_logp) -> tuple[dict, torc
     mb = cfg.micro_batch or auto_micro_batch(policy, n, batch.input_ids.shape[1], cfg.gradient_checkpointing)
     policy.train(cfg.gradient_checkpointing)  # checkpointing acts in train mode only; dropout is 0 either way
     pi_k_logp = torch.zeros_like(loss_mask, dtype=torch.float32)  # (N, T) log pi_k, filled in epoch 0
+    # log alpha: the batch's, or pi_k's where alpha = pi_k (the same tensor, filled as epoch 0 goes)
+    alpha_logp = pi_k_logp if batch.alpha_logp is None else batch.alpha_logp  # (N, T)
     # MIS drops tokens by rho' = pi_k / alpha, and the dropped ones leave the normaliser: on a stale step every
     # micro-batch needs log pi_k of the whole step first, so here pi_k gets a no-grad pass of its own.
-    pi_k_first = cfg.is_mask is not None and not batch.alpha_is_pi_k
+    pi_k_first = cfg.is_mask is not None and batch.alpha_logp is not None
     if pi_k_first:
         with torch.no_grad():
             for s in range(0, n, mb):
-                pi_k_logp[s : s + mb] = policy_logprobs(cfg, policy, batch, slice(s, s + mb))
-        keep = mis_keep_mask(batch.alpha_logp, pi_k_logp, cfg.is_mask, loss_mask=loss_mask, is_level=cfg.is_level)
+                pi_k_logp[s : s + mb] = logprobs(cfg, policy, batch, slice(s, s + mb))
+        keep = mis_keep_mask(alpha_logp, pi_k_logp, cfg.is_mask, loss_mask=loss_mask, is_level=cfg.is_level)
         total = aggregation_total(loss_mask * keep, cfg.agg, cfg.max_new_tokens)
     else:
         total = aggregation_total(loss_mask, cfg.agg, cfg.max_new_tokens)
@@ -261,13 +323,18 @@ def update(cfg: Config, policy, opt, batch: Batch, ref_logp) -> tuple[dict, torc
             rows = slice(s, s + mb)
             if loss_mask[rows].sum() == 0 and epoch > 0:
                 continue  # no token in the loss here: zero loss and zero gradient
-            logp = policy_logprobs(cfg, policy, batch, rows)  # (mb, T)
+            logp = logprobs(cfg, policy, batch, rows)  # (mb, T)
             if epoch == 0 and not pi_k_first:
                 pi_k_logp[rows] = logp.detach()  # pi_theta is pi_k until the first optimizer step
-            alpha_logp = pi_k_logp[rows] if batch.alpha_is_pi_k else batch.alpha_logp[rows]
-            r_logp = ref_logp[rows] if ref_logp is not None else None
             loss, st = loss_fn(
-                cfg, logp, alpha_logp, pi_k_logp[rows], r_logp, batch.advantages[rows], loss_mask[rows], total
+                cfg,
+                logp,
+                alpha_logp[rows],
+                pi_k_logp[rows],
+                None if ref_logp is None else ref_logp[rows],
+                batch.advantages[rows],
+                loss_mask[rows],
+                total,
             )
             loss.backward()
             w = st.pop("tokens")
@@ -284,7 +351,6 @@ def update(cfg: Config, policy, opt, batch: Batch, ref_logp) -> tuple[dict, torc
     stats = {k: v / max(tokens, 1.0) for k, v in sums.items()}
     # rho' = pi_k / alpha does not depend on pi_theta: its quantiles, max and the TIS / MIS fractions are the whole
     # step's, exact whatever the micro-batching.
-    alpha_logp = pi_k_logp if batch.alpha_is_pi_k else batch.alpha_logp
     corrections = dict(is_cap=cfg.is_cap, is_mask=cfg.is_mask, is_level=cfg.is_level)
     stats.update(sampler_mismatch_stats(alpha_logp, pi_k_logp, loss_mask, **corrections))
     stats.update(
@@ -309,7 +375,7 @@ def loss_fn(cfg: Config, logp, alpha_logp, pi_k_logp, ref_logp, advantages, loss
             advantages=advantages,
             loss_mask=loss_mask,
         )
-        kl = dict(beta=cfg.beta, kl_estimator=cfg.kl_estimator)
+        kl = dict(beta=cfg.beta, kl_estimator=cfg.kl_estimator, kl_importance_weight=cfg.kl_importance_weight)
         if cfg.clip_center == "decoupled" or cfg.is_mask is not None:  # another engine's correction
             corrections = dict(is_cap=cfg.is_cap, is_mask=cfg.is_mask, is_level=cfg.is_level)
             return corrected_policy_loss(**logps, clip_center=cfg.clip_center, **corrections, **kl, **clip, **common)
@@ -320,11 +386,19 @@ def loss_fn(cfg: Config, logp, alpha_logp, pi_k_logp, ref_logp, advantages, loss
     return opmd_loss(**logps, tau_reg=cfg.tau_reg, **common)
 
 
-def policy_logprobs(cfg: Config, policy, batch: Batch, rows=slice(None)) -> torch.Tensor:
-    """log pi_theta (mb, T) of the batch's completions (rows), with grad when grad is enabled."""
-    with autocast(cfg, batch.input_ids.device):
-        ids, mask, completion_mask = batch.input_ids[rows], batch.attention_mask[rows], batch.completion_mask[rows]
-        return chunked_token_logprobs(policy, ids, mask, completion_mask, cfg.temperature, cfg.truncation)
+def logprobs(cfg: Config, model, seq, rows=slice(None)) -> torch.Tensor:
+    """log pi (n, T) of the completions of `seq` (a Batch or a Rollout; its rows `rows`) under `model`, with grad
+    when grad is enabled. The engine's one choice of log-prob function:"""
+    ids, mask, completion_mask = seq.input_ids[rows], seq.attention_mask[rows], seq.completion_mask[rows]
+    with autocast(cfg, ids.device):
+        # = logprobs.token_logprobs without the (N, T, V) logits (tests/test_rollout.py, tests/test_gpu_path.py)
+        return chunked_token_logprobs(model, ids, mask, completion_mask, cfg.temperature, cfg.truncation)
+
+
+def sampler(cfg: Config) -> Callable[..., dict]:
+    """The engine's one choice of sampling loop (--sampling): rollout.sample, the reference, or decoding.py's static
+    KV cache (a CUDA graph on a GPU) where it applies, tested equal (tests/test_fastpath.py)."""
+    return sample if cfg.sampling == "plain" else static_sampler(cfg.fast)
 
 
 def ref_logprobs(cfg: Config, models: Models, ro: Rollout) -> torch.Tensor | None:
@@ -333,18 +407,27 @@ def ref_logprobs(cfg: Config, models: Models, ro: Rollout) -> torch.Tensor | Non
         return None
     ref = models.ref if models.ref is not None else models.policy
     adapter_off = models.policy.disable_adapter() if models.ref is None else contextlib.nullcontext()
-    with torch.no_grad(), autocast(cfg, ro.input_ids.device), adapter_off:
-        return chunked_token_logprobs(
-            ref, ro.input_ids, ro.attention_mask, ro.completion_mask, cfg.temperature, cfg.truncation
-        )
+    with torch.no_grad(), adapter_off:
+        return logprobs(cfg, ref, ro)
 
 
-def sampler_mismatch(ro: Rollout, forward_alpha_logp: torch.Tensor, loss_mask: torch.Tensor) -> float:
-    """The mean |log alpha while sampling - log alpha of a full forward| over the loss's tokens (all the completion
-    tokens on a step without signal): a large value means sampling and training see different models."""
-    on = loss_mask if loss_mask.sum() > 0 else ro.completion_mask  # (N, T)
-    gap = (ro.alpha_logp - forward_alpha_logp).abs() * on  # (N, T)
-    return gap.sum().item() / max(on.sum().item(), 1)
+def sampler_mismatch(cfg: Config, policy, batch: Batch, ro: Rollout, refresh: bool, pi_k_logp) -> dict:
+    """{"sampler_mismatch": the mean |log alpha while sampling - log alpha of a full forward|} over the loss's
+    tokens (all the completion tokens on a step without signal), where the step has both: pi_k's forward at a
+    refresh (alpha = pi_k; a forward of its own when no update ran), the recomputed log alpha after it. A large
+    value means sampling and training see different models (the KV cache, the fast path, autocast)."""
+    if refresh:
+        if pi_k_logp is None:
+            with torch.no_grad():
+                pi_k_logp = logprobs(cfg, policy, batch)  # (N, T)
+        forward = pi_k_logp
+    elif cfg.alpha_logp_from == "recompute":
+        forward = batch.alpha_logp
+    else:
+        return {}
+    on = batch.loss_mask if batch.loss_mask.sum() > 0 else ro.completion_mask  # (N, T)
+    gap = (ro.sampler_logp - forward).abs() * on  # (N, T)
+    return {"sampler_mismatch": gap.sum().item() / max(on.sum().item(), 1)}
 
 
 def autocast(cfg: Config, device):
@@ -361,3 +444,20 @@ def clock(device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.time()
+
+
+class Timer:
+    """Seconds per phase of a step, kept out of the maths: `with timer("sample"): ...` adds the block's time
+    (`clock`) to seconds["sample"]."""
+
+    def __init__(self, device):
+        self.device = device
+        self.seconds = dict.fromkeys(("refresh", "sample", "score", "logprob", "update"), 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t = clock(self.device)
+        try:
+            yield
+        finally:
+            self.seconds[phase] += clock(self.device) - t

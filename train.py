@@ -52,7 +52,7 @@ from policy import load_policy
 from reward import math_reward
 from rollout import Cycle, Rollout, generate
 from run_io import RunWriter, current_memory_gb, peak_memory_gb
-from step import Models, StepResult, autocast, grpo_step, make_models
+from step import Models, StepResult, autocast, grpo_step, make_models, sampler
 from tasks import Problem, TaskError, encode_prompts, fit_context, load_task
 
 
@@ -131,7 +131,7 @@ def evaluate(
     truncation: Truncation | None = None,
     generator: torch.Generator | None = None,
     batch_size: int = 256,
-    fast: bool | None = None,
+    sampler=None,
 ) -> float:
     """Held-out accuracy: the mean over problems of the mean reward of `samples` completions each ([A]'s "pass@1
     over k samples"). The default, one greedy completion (temperature 0), is the usual held-out accuracy."""
@@ -140,7 +140,7 @@ def evaluate(
     correct = 0.0
     # The same `generate` as training, so evaluation also exercises the sampling path the run uses.
     special = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    sampling = dict(temperature=temperature, truncation=truncation, generator=generator, fast=fast)
+    sampling = dict(temperature=temperature, truncation=truncation, generator=generator, sampler=sampler)
     per_call = max(1, batch_size // samples)  # problems per generate call: at most batch_size rows
     for s in range(0, len(problems), per_call):
         chunk = problems[s : s + per_call]
@@ -169,13 +169,14 @@ def evaluation(cfg: Config, model, tokenizer, heldout: list[Problem], device) ->
     # The sampler as training runs it: the same path, under the same autocast (on CUDA its own static decoder,
     # kept beside training's).
     with autocast(cfg, device):
-        out = {"eval_accuracy": evaluate(model, tokenizer, heldout, cfg.max_new_tokens, device, reward, fast=cfg.fast)}
+        loop = dict(sampler=sampler(cfg))
+        out = {"eval_accuracy": evaluate(model, tokenizer, heldout, cfg.max_new_tokens, device, reward, **loop)}
         if cfg.eval_samples:
             gen = torch.Generator(device=device).manual_seed(cfg.seed + EVAL_SEED)
             temperature = cfg.temperature if cfg.eval_temperature is None else cfg.eval_temperature
             sampling = dict(samples=cfg.eval_samples, temperature=temperature, truncation=cfg.eval_truncation)
             out["eval_pass1"] = evaluate(
-                model, tokenizer, heldout, cfg.max_new_tokens, device, reward, **sampling, generator=gen, fast=cfg.fast
+                model, tokenizer, heldout, cfg.max_new_tokens, device, reward, **sampling, generator=gen, **loop
             )
     return out
 
@@ -369,10 +370,10 @@ def run(cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: list[
     models, tokenizer, train_set, heldout = setup(cfg, writer, train_set, heldout)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)  # the sampling generator
     v = cfg.offpolicy_steps
-    sampler = (
+    schedule = (
         f"every {v} steps, the next {v} batches at once (log alpha: {cfg.alpha_logp_from})" if v > 1 else "every step"
     )
-    writer.log(f"sampling path: {sampling_path(models.policy, cfg.fast)}; the policy samples {sampler}")
+    writer.log(f"sampling path: {sampling_path(models.policy, cfg.fast)}; the policy samples {schedule}")
     stream = PromptStream(train_set, cfg.seed)
 
     def draw(n: int) -> list:

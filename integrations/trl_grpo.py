@@ -45,8 +45,8 @@ Departures from stock GRPOTrainer: docs/trl.md, "The loss, against stock `GRPOTr
 error): sequence-level IS, off-policy masks, entropy terms, batch reward scaling, normalize_then_sum,
 vision-language models, steps_per_generation not a multiple of GA. Nothing else is refused: PEFT, FSDP, ZeRO-3,
 rollout_func, MoE models (the router's loss added as stock TRL adds it) run TRL's own code (docs/trl.md, "What was
-run here, and what was not"). TRL's use_bias_correction_kl (default True) multiplies kl_t by rho_t = pi_theta /
-alpha (TRL's coef_1), as stock TRL.
+run here, and what was not"). TRL's use_bias_correction_kl (default True) is train.py's --kl-importance-weight:
+kl_t times rho_t = pi_theta / alpha (TRL's coef_1), as stock TRL.
 """
 
 import hashlib
@@ -228,23 +228,17 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         eps = dict(clip_eps=self.epsilon_low, clip_eps_high=self.epsilon_high)
         logps = dict(logp=logp, alpha_logp=alpha_logp, advantages=adv, loss_mask=mask)
         if a.policy_loss == "grpo":
-            ref = inputs.get("ref_per_token_logps")
-            # TRL's use_bias_correction_kl (default True): kl_t * rho_t, rho = pi_theta / alpha with grad (TRL's coef_1)
-            bias = a.use_bias_correction_kl and ref is not None and self.beta != 0
             loss, st = objective.policy_loss(
                 **logps,
                 pi_k_logp=pi_k_logp,
-                ref_logp=None if bias else ref,
+                ref_logp=inputs.get("ref_per_token_logps"),
                 clip_center=a.clip_center,
                 beta=self.beta,
+                # TRL's use_bias_correction_kl (default True): kl_t * rho_t, rho = pi_theta / alpha with grad
+                kl_importance_weight=a.use_bias_correction_kl,
                 **eps,
                 **common,
             )
-            if bias:
-                ref, alpha = (torch.where(mask > 0, x, logp.detach()) for x in (ref, alpha_logp))  # 0 off the mask
-                kl = objective.kl_penalty(logp, ref) * torch.exp(logp - alpha)  # (n, T)
-                loss = loss + self.beta * objective.aggregate(kl, mask, common["agg"], self.max_completion_length, z)
-                st["kl"] = objective.masked_mean(kl.detach(), mask)
         elif a.policy_loss in ("rec", "rec-is"):
             loss, st = reinforce.rec_loss(**logps, importance_weight=a.policy_loss == "rec-is", **eps, **common)
         else:

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import decoding
-from decoding import sample_exponential_race, sampling_path
-from logprobs import chunked_token_logprobs, position_ids_from_mask
+from chunked_logprobs import chunked_token_logprobs
+from decoding import sample_exponential_race, sampling_path, static_sampler
+from logprobs import position_ids_from_mask
 from rollout import generate
 from tasks import Problem, encode_prompts
 
@@ -44,7 +45,7 @@ def assert_same_rollout(a, b, atol=1e-5):
     assert torch.equal(a.completion_mask, b.completion_mask)
     assert torch.equal(a.truncated, b.truncated)
     assert torch.equal(a.prompt_ids, b.prompt_ids) and torch.equal(a.prompt_mask, b.prompt_mask)
-    assert torch.allclose(a.alpha_logp, b.alpha_logp, atol=atol)
+    assert torch.allclose(a.sampler_logp, b.sampler_logp, atol=atol)
     assert torch.allclose(a.entropy, b.entropy, atol=atol)
 
 
@@ -60,12 +61,12 @@ def full_forward_entropy(model, ro, temperature):
 def test_greedy_is_identical_on_both_paths(model, tok):
     ids, mask = prompts(tok)
     kw = kwargs(tok, group_size=2, max_new_tokens=12, temperature=0.0)
-    plain = generate(model, ids, mask, fast=False, **kw)
-    fast = generate(model, ids, mask, fast=True, **kw)
+    plain = generate(model, ids, mask, **kw)
+    fast = generate(model, ids, mask, sampler=static_sampler(True), **kw)
     assert_same_rollout(plain, fast)
     # ignore_eos too: every row runs to max_new_tokens and is truncated.
-    plain = generate(model, ids, mask, fast=False, ignore_eos=True, **kw)
-    fast = generate(model, ids, mask, fast=True, ignore_eos=True, **kw)
+    plain = generate(model, ids, mask, ignore_eos=True, **kw)
+    fast = generate(model, ids, mask, sampler=static_sampler(True), ignore_eos=True, **kw)
     assert_same_rollout(plain, fast)
     assert fast.completion_ids.shape[1] == 12 and fast.truncated.all()
 
@@ -138,8 +139,8 @@ def test_eos_bookkeeping_matches_the_plain_loop(ending_model, tok, max_new_token
     # both paths stop early, at the same T. The lengths, masks and padding are what CHAIN dictates.
     ids, mask = encode_prompts(tok, [Problem(q, "0") for q in ENDING_PROMPTS], "cpu")
     kw = kwargs(tok, group_size=1, max_new_tokens=max_new_tokens, temperature=0.0)
-    plain = generate(ending_model, ids, mask, fast=False, **kw)
-    fast = generate(ending_model, ids, mask, fast=True, **kw)
+    plain = generate(ending_model, ids, mask, **kw)
+    fast = generate(ending_model, ids, mask, sampler=static_sampler(True), **kw)
     assert_same_rollout(plain, fast)
     expected = [chain_length(q, max_new_tokens) for q in ENDING_PROMPTS]
     for ro in (plain, fast):
@@ -162,7 +163,7 @@ def test_sampled_masks_follow_the_eos_rules(ending_model, tok):
         ending_model,
         ids,
         mask,
-        fast=True,
+        sampler=static_sampler(True),
         generator=torch.Generator().manual_seed(0),
         **kwargs(tok, group_size=8, max_new_tokens=4, temperature=1.5),
     )
@@ -173,27 +174,27 @@ def test_sampled_masks_follow_the_eos_rules(ending_model, tok):
         assert bool(trunc) == (tok.eos_token_id not in row[:k].tolist())
         if not trunc:
             assert row[k - 1] == tok.eos_token_id and tok.eos_token_id not in row[: k - 1].tolist()
-    assert (ro.alpha_logp[ro.completion_mask == 0] == 0).all() and (ro.entropy[ro.completion_mask == 0] == 0).all()
+    assert (ro.sampler_logp[ro.completion_mask == 0] == 0).all() and (ro.entropy[ro.completion_mask == 0] == 0).all()
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logprobs_and_entropy_match_a_full_forward(model, tok, temperature):
     ids, mask = prompts(tok)
     kw = kwargs(tok, group_size=4, max_new_tokens=10, temperature=temperature)
-    ro = generate(model, ids, mask, fast=True, generator=torch.Generator().manual_seed(0), **kw)
+    ro = generate(model, ids, mask, sampler=static_sampler(True), generator=torch.Generator().manual_seed(0), **kw)
     lp = chunked_token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, temperature)
-    assert torch.allclose(ro.alpha_logp, lp, atol=1e-5)  # static-cache sampling == full forward
+    assert torch.allclose(ro.sampler_logp, lp, atol=1e-5)  # static-cache sampling == full forward
     assert torch.allclose(ro.entropy, full_forward_entropy(model, ro, temperature), atol=1e-5)
     # Same for the plain path's tokens, so both paths score their tokens under the same model.
-    pl = generate(model, ids, mask, fast=False, generator=torch.Generator().manual_seed(0), **kw)
+    pl = generate(model, ids, mask, generator=torch.Generator().manual_seed(0), **kw)
     assert torch.allclose(
-        pl.alpha_logp,
+        pl.sampler_logp,
         chunked_token_logprobs(model, pl.input_ids, pl.attention_mask, pl.completion_mask, temperature),
         atol=1e-5,
     )
     # The generator alone decides the sample: same seed, same tokens; another seed, others.
-    again = generate(model, ids, mask, fast=True, generator=torch.Generator().manual_seed(0), **kw)
-    other = generate(model, ids, mask, fast=True, generator=torch.Generator().manual_seed(1), **kw)
+    again = generate(model, ids, mask, sampler=static_sampler(True), generator=torch.Generator().manual_seed(0), **kw)
+    other = generate(model, ids, mask, sampler=static_sampler(True), generator=torch.Generator().manual_seed(1), **kw)
     assert_same_rollout(ro, again, atol=0)
     assert not torch.equal(ro.completion_ids, other.completion_ids)
 
@@ -206,12 +207,18 @@ def test_reused_cache_sees_new_prompts_and_new_weights(tok):
     model = tiny.build_model(tok, seed=0).eval()
     kw = kwargs(tok, group_size=2, max_new_tokens=8, temperature=0.0, ignore_eos=True)
     ids, mask = prompts(tok)
-    generate(model, ids, mask, fast=True, **kw)
+    generate(model, ids, mask, sampler=static_sampler(True), **kw)
     ids2, mask2 = encode_prompts(tok, [Problem("9*9=", "81"), Problem("1+1=", "2"), Problem("77-70=", "7")], "cpu")
-    assert_same_rollout(generate(model, ids2, mask2, fast=False, **kw), generate(model, ids2, mask2, fast=True, **kw))
+    assert_same_rollout(
+        generate(model, ids2, mask2, **kw),
+        generate(model, ids2, mask2, sampler=static_sampler(True), **kw),
+    )
     with torch.no_grad():
         model.load_state_dict(tiny.build_model(tok, seed=5).state_dict())  # in place, like alpha <- pi_theta
-    assert_same_rollout(generate(model, ids2, mask2, fast=False, **kw), generate(model, ids2, mask2, fast=True, **kw))
+    assert_same_rollout(
+        generate(model, ids2, mask2, **kw),
+        generate(model, ids2, mask2, sampler=static_sampler(True), **kw),
+    )
 
 
 def test_exponential_race_draws_from_the_softmax():
@@ -230,7 +237,7 @@ def test_sampling_path_names(model, tok):
     assert sampling_path(model) == ("static-cache+cuda-graph" if next(model.parameters()).is_cuda else "plain")
     assert sampling_path(model, fast=True) == "static-cache"  # the model is on CPU here
     assert sampling_path(model, fast=False) == "plain"
-    lm = torch.nn.Linear(2, 2)  # not a transformers model: plain, and fast=True is an error
+    lm = torch.nn.Linear(2, 2)  # not a transformers model: plain, and sampler=static_sampler(True) is an error
     lm.config = SimpleNamespace(_attn_implementation="sdpa")
     assert sampling_path(lm) == "plain"
     with pytest.raises(ValueError):
@@ -241,7 +248,10 @@ def test_one_token_prompts(model, tok):
     # P = 1: the prefill is then one column wide, like a decode step, and must still be a prefill.
     ids, mask = torch.tensor([[5], [7]]), torch.ones(2, 1, dtype=torch.long)
     kw = kwargs(tok, group_size=2, max_new_tokens=6, temperature=0.0, ignore_eos=True)
-    assert_same_rollout(generate(model, ids, mask, fast=False, **kw), generate(model, ids, mask, fast=True, **kw))
+    assert_same_rollout(
+        generate(model, ids, mask, **kw),
+        generate(model, ids, mask, sampler=static_sampler(True), **kw),
+    )
 
 
 def test_shared_prompt_logprobs_and_gradients_equal_row_by_row(model, tok):
@@ -251,7 +261,7 @@ def test_shared_prompt_logprobs_and_gradients_equal_row_by_row(model, tok):
         model,
         ids,
         mask,
-        fast=False,
+        sampler=static_sampler(False),
         generator=torch.Generator().manual_seed(0),
         **kwargs(tok, group_size=4, max_new_tokens=6, temperature=1.0),
     )
@@ -279,7 +289,7 @@ def test_prompts_run_once_per_group(model, tok):
     kw = kwargs(tok, group_size=g, max_new_tokens=t, temperature=1.0, ignore_eos=True)
     for fast in (False, True):
         seen.clear()
-        ro = generate(model, ids, mask, fast=fast, generator=torch.Generator().manual_seed(0), **kw)
+        ro = generate(model, ids, mask, sampler=static_sampler(fast), generator=torch.Generator().manual_seed(0), **kw)
         assert seen == [b * p] + [b * g] * (t - 1)  # the prefill once per prompt, then one token per row
     seen.clear()
     chunked_token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)
@@ -288,7 +298,7 @@ def test_prompts_run_once_per_group(model, tok):
 
 
 def test_auto_falls_back_to_plain_when_the_static_cache_fails(model, tok, monkeypatch, capsys):
-    # fast=None on a model the static cache turns out not to fit (a transformers version whose
+    # sampler=static_sampler(None) on a model the static cache turns out not to fit (a transformers version whose
     # attention calls the cache differently, say): one warning, the plain result, plain from then on.
     monkeypatch.setattr(decoding, "sampling_path", lambda m, fast=None: "plain" if fast is False else "static-cache")
 
@@ -298,13 +308,13 @@ def test_auto_falls_back_to_plain_when_the_static_cache_fails(model, tok, monkey
     monkeypatch.setattr(decoding.StaticDecoder, "prefill", broken)
     ids, mask = prompts(tok)
     kw = kwargs(tok, group_size=2, max_new_tokens=5, temperature=0.0)
-    ro = generate(model, ids, mask, **kw)
+    ro = generate(model, ids, mask, sampler=static_sampler(None), **kw)
     warned = capsys.readouterr().err.splitlines()
     assert len(warned) == 1 and "static-cache path failed" in warned[0]  # one line
-    assert_same_rollout(ro, generate(model, ids, mask, fast=False, **kw))
+    assert_same_rollout(ro, generate(model, ids, mask, **kw))
     assert model in decoding._NO_FAST  # sampling_path(model) stays "plain" on CUDA too
     with pytest.raises(TypeError):  # asked for explicitly, the failure is the caller's to see
-        generate(model, ids, mask, fast=True, **kw)
+        generate(model, ids, mask, sampler=static_sampler(True), **kw)
 
 
 def test_a_diverged_policy_is_not_taken_for_a_path_failure(tok, monkeypatch):
@@ -318,7 +328,13 @@ def test_a_diverged_policy_is_not_taken_for_a_path_failure(tok, monkeypatch):
     monkeypatch.setattr(decoding, "sampling_path", lambda m, fast=None: "plain" if fast is False else "static-cache")
     ids, mask = prompts(tok)
     with pytest.raises(FloatingPointError):
-        generate(model, ids, mask, **kwargs(tok, group_size=2, max_new_tokens=3, temperature=1.0))
+        generate(
+            model,
+            ids,
+            mask,
+            sampler=static_sampler(None),
+            **kwargs(tok, group_size=2, max_new_tokens=3, temperature=1.0),
+        )
     assert model not in decoding._NO_FAST
 
 
@@ -339,7 +355,7 @@ def test_logits_that_turn_non_finite_mid_decode_raise_floating_point_error(tok, 
     ids, mask = prompts(tok)
     kw = kwargs(tok, group_size=2, max_new_tokens=6, temperature=1.0)
     with pytest.raises(FloatingPointError, match="not finite"):
-        generate(model, ids, mask, fast=fast, ignore_eos=True, **kw)
+        generate(model, ids, mask, sampler=static_sampler(fast), ignore_eos=True, **kw)
     assert len(calls) >= 3  # it did get past the prefill
 
 
@@ -354,13 +370,17 @@ def test_cuda_graph_greedy_matches_plain_and_sees_weight_updates(tok):
     assert sampling_path(model) == "static-cache+cuda-graph"
     ids, mask = prompts(tok, "cuda")
     kw = kwargs(tok, group_size=4, max_new_tokens=16, temperature=0.0)
-    assert_same_rollout(generate(model, ids, mask, fast=False, **kw), generate(model, ids, mask, **kw), atol=1e-4)
+    assert_same_rollout(
+        generate(model, ids, mask, **kw), generate(model, ids, mask, sampler=static_sampler(None), **kw), atol=1e-4
+    )
     assert sampling_path(model) == "static-cache+cuda-graph"  # the capture worked (no fallback)
     # An optimizer step changes the weights in place: the replayed graph must use the new ones.
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
-    assert_same_rollout(generate(model, ids, mask, fast=False, **kw), generate(model, ids, mask, **kw), atol=1e-4)
+    assert_same_rollout(
+        generate(model, ids, mask, **kw), generate(model, ids, mask, sampler=static_sampler(None), **kw), atol=1e-4
+    )
 
 
 @needs_cuda
@@ -371,11 +391,13 @@ def test_cuda_graph_sampling_logprobs_match_a_full_forward(tok):
     ids, mask = prompts(tok, "cuda")
     kw = kwargs(tok, group_size=8, max_new_tokens=16, temperature=0.9)
     gen = lambda s: torch.Generator(device="cuda").manual_seed(s)
-    ro = generate(model, ids, mask, generator=gen(0), **kw)
+    ro = generate(model, ids, mask, sampler=static_sampler(None), generator=gen(0), **kw)
     lp = chunked_token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 0.9)
-    assert torch.allclose(ro.alpha_logp, lp, atol=1e-4)
+    assert torch.allclose(ro.sampler_logp, lp, atol=1e-4)
     assert torch.allclose(ro.entropy, full_forward_entropy(model, ro, 0.9), atol=1e-4)
-    assert_same_rollout(ro, generate(model, ids, mask, generator=gen(0), **kw), atol=0)  # graph replay reproduces
+    assert_same_rollout(
+        ro, generate(model, ids, mask, sampler=static_sampler(None), generator=gen(0), **kw), atol=0
+    )  # graph replay reproduces
 
 
 @needs_cuda
@@ -389,8 +411,8 @@ def test_cuda_graph_under_bf16_autocast(tok):
         tok, group_size=4, max_new_tokens=12, temperature=1.0, generator=torch.Generator(device="cuda").manual_seed(0)
     )
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        ro = generate(model, ids, mask, **kw)
+        ro = generate(model, ids, mask, sampler=static_sampler(None), **kw)
         lp = chunked_token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)
     assert sampling_path(model) == "static-cache+cuda-graph"
-    assert torch.isfinite(ro.alpha_logp).all()
-    assert (ro.alpha_logp - lp).abs().max() < 0.1  # bf16 rounding only
+    assert torch.isfinite(ro.sampler_logp).all()
+    assert (ro.sampler_logp - lp).abs().max() < 0.1  # bf16 rounding only

@@ -51,8 +51,7 @@ def sampled_batch(model, tok, problems, tokens=6) -> step.Batch:
         completion_mask=ro.completion_mask,
         loss_mask=ro.completion_mask,
         advantages=adv,
-        alpha_logp=ro.alpha_logp,
-        alpha_is_pi_k=True,  # a refresh step: alpha is pi_k
+        alpha_logp=None,  # a refresh step: alpha is pi_k
     )
 
 

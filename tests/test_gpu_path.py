@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from logprobs import SelectedLogProb
+from chunked_logprobs import SelectedLogProb
+from decoding import static_sampler
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
@@ -210,7 +211,7 @@ def sample_both_ways(model, tok, temperature=0.0, **kw):
     ids, mask = left_padded_prompts(tok)
     special = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     args = dict(group_size=2, max_new_tokens=10, temperature=temperature, ignore_eos=True, **special, **kw)
-    return generate(model, ids, mask, fast=False, **args), generate(model, ids, mask, fast=True, **args)
+    return generate(model, ids, mask, **args), generate(model, ids, mask, sampler=static_sampler(True), **args)
 
 
 @pytest.mark.model
@@ -222,7 +223,7 @@ def test_the_static_cache_sampler_matches_the_plain_loop(tok, family):
     assert sampling_path(model, fast=True) == "static-cache"  # it applies: no silent fallback to plain
     plain, fast = sample_both_ways(model, tok)
     assert torch.equal(plain.completion_ids, fast.completion_ids)
-    assert (plain.alpha_logp - fast.alpha_logp).abs().max() <= 1e-5
+    assert (plain.sampler_logp - fast.sampler_logp).abs().max() <= 1e-5
     assert (plain.entropy - fast.entropy).abs().max() <= 1e-5
 
 
@@ -230,7 +231,7 @@ def test_the_static_cache_sampler_matches_the_plain_loop(tok, family):
 @pytest.mark.parametrize("family", MODELS)
 def test_the_static_cache_sampler_under_bf16_autocast_keeps_its_cache_in_bf16(tok, family):
     import decoding
-    from logprobs import chunked_token_logprobs
+    from chunked_logprobs import chunked_token_logprobs
 
     model = MODELS[family](tok)
     with torch.autocast(**BF16):
@@ -244,7 +245,7 @@ def test_the_static_cache_sampler_under_bf16_autocast_keeps_its_cache_in_bf16(to
         gaps = {}
         for ro in sample_both_ways(model, tok, temperature=1.0, generator=torch.Generator().manual_seed(0)):
             forward = chunked_token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)
-            gaps[len(gaps)] = (ro.alpha_logp - forward).abs().mean().item()
+            gaps[len(gaps)] = (ro.sampler_logp - forward).abs().mean().item()
     plain_gap, fast_gap = gaps[0], gaps[1]
     assert fast_gap <= max(plain_gap, 1e-5), (plain_gap, fast_gap)
 
@@ -275,7 +276,15 @@ def test_the_static_decoder_casts_no_weight_per_token_under_autocast(tok):
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     special = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     sample = lambda fast: generate(  # noqa: E731
-        model, ids, mask, group_size=2, max_new_tokens=10, temperature=0.0, ignore_eos=True, fast=fast, **special
+        model,
+        ids,
+        mask,
+        group_size=2,
+        max_new_tokens=10,
+        temperature=0.0,
+        ignore_eos=True,
+        sampler=static_sampler(fast),
+        **special,
     )
     casts = {}
     for fast in (False, True):
@@ -299,7 +308,9 @@ def test_evaluations_shape_does_not_evict_the_training_decoder(tok):
 
     ids, mask = left_padded_prompts(tok)
     special = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    generate(model, ids, mask, group_size=1, max_new_tokens=10, temperature=0.0, fast=True, **special)  # 3 rows
+    generate(
+        model, ids, mask, group_size=1, max_new_tokens=10, temperature=0.0, sampler=static_sampler(True), **special
+    )  # 3 rows
     sample_both_ways(model, tok)
     assert len(decoding._DECODERS[model]) == 2 and training in decoding._DECODERS[model].values()
 
@@ -323,13 +334,17 @@ def test_a_failed_graph_capture_falls_back_to_the_plain_loop_with_one_line(tok, 
     kw = dict(
         group_size=2, max_new_tokens=8, temperature=1.0, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
     )
-    ro = generate(model, ids, mask, generator=torch.Generator().manual_seed(3), **kw)  # auto
+    ro = generate(
+        model, ids, mask, sampler=static_sampler(None), generator=torch.Generator().manual_seed(3), **kw
+    )  # auto
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "CUDA graph failed" in err[0] and "OutOfMemoryError" in err[0], err
-    plain = generate(model, ids, mask, fast=False, generator=torch.Generator().manual_seed(3), **kw)
-    assert torch.equal(ro.completion_ids, plain.completion_ids) and torch.equal(ro.alpha_logp, plain.alpha_logp)
+    plain = generate(model, ids, mask, generator=torch.Generator().manual_seed(3), **kw)
+    assert torch.equal(ro.completion_ids, plain.completion_ids) and torch.equal(ro.sampler_logp, plain.sampler_logp)
     assert model in decoding._NO_FAST and model not in decoding._DECODERS
-    generate(model, ids, mask, generator=torch.Generator().manual_seed(3), **kw)  # no second capture, no second line
+    generate(
+        model, ids, mask, sampler=static_sampler(None), generator=torch.Generator().manual_seed(3), **kw
+    )  # no second capture, no second line
     assert capsys.readouterr().err == ""
 
 
@@ -404,15 +419,17 @@ def test_evaluation_samples_under_the_training_autocast(tok, monkeypatch):
 
     seen = []
 
-    def generate(*a, fast=None, **kw):
-        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), fast))
+    def generate(*a, sampler=None, **kw):
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), sampler))
         raise StopIteration  # nothing to score: the state at the call is the test
 
     monkeypatch.setattr(train, "generate", generate)
     cfg = resolve(Config(device="cpu", dtype="bfloat16", sampling="fast", out="/tmp/unused"))
     with pytest.raises(StopIteration):
         train.evaluation(cfg, torch.nn.Linear(1, 1), tok, [Problem("1+1=", "2")], "cpu")
-    assert seen == [(True, torch.bfloat16, True)]
+    (enabled, dtype, loop), *more = seen
+    assert (enabled, dtype, more) == (True, torch.bfloat16, [])
+    assert loop.__qualname__.startswith("static_sampler"), loop  # --sampling fast: decoding.py's loop, as training
 
 
 def test_the_default_micro_batch_is_the_largest_divisor_whose_activations_fit():

@@ -25,9 +25,9 @@ import policy
 import run_io
 import tasks
 import train
+from chunked_logprobs import chunked_token_logprobs
 from config import Config, ConfigError, resolve
 from conftest import ROOT, needs, shared_data
-from logprobs import chunked_token_logprobs
 from objective import aggregation_total, policy_loss
 from reward import math_reward
 from rollout import Rollout, generate
@@ -362,8 +362,8 @@ def test_sampler_log_probs_equal_a_full_forward_on_a_30_layer_gqa_model(smollm2)
         with torch.no_grad():
             full = chunked_token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, temperature)
         keep = ro.completion_mask.bool()
-        assert (ro.alpha_logp[~keep] == 0).all() and (full[~keep] == 0).all()
-        assert (ro.alpha_logp - full).abs().max() < 1e-4, (ro.alpha_logp - full).abs().max()
+        assert (ro.sampler_logp[~keep] == 0).all() and (full[~keep] == 0).all()
+        assert (ro.sampler_logp - full).abs().max() < 1e-4, (ro.sampler_logp - full).abs().max()
 
 
 @real

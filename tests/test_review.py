@@ -15,10 +15,10 @@ import corrections
 import reinforce
 import run_io
 import step
+from chunked_logprobs import chunked_token_logprobs
 from config import Config, resolve
 from conftest import ROOT, needs
 from corrections import corrected_policy_loss, corrected_surrogate, mis_keep_mask
-from logprobs import chunked_token_logprobs
 from objective import aggregation_total
 from reinforce import opmd_loss, rec_loss
 from test_train import make_batch
@@ -117,7 +117,7 @@ def test_update_calls_the_loss_by_keyword_with_the_final_normaliser_and_the_mism
     monkeypatch.setattr(step, "corrected_policy_loss", lambda *a, **kw: calls.append((a, kw)) or real_loss(*a, **kw))
     monkeypatch.setattr(corrections, "sampler_mismatch_stats", lambda *a, **kw: pytest.fail("the loss computes it"))
     monkeypatch.setattr(step, "sampler_mismatch_stats", lambda *a, **kw: stats_calls.append(1) or real_stats(*a, **kw))
-    stale = dataclasses.replace(batch, alpha_logp=alpha_logp, alpha_is_pi_k=False)
+    stale = dataclasses.replace(batch, alpha_logp=alpha_logp)
     step.update(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0), stale, None)
     keep = mis_keep_mask(alpha_logp, logp, 1.5)
     expected = aggregation_total(batch.loss_mask * keep, cfg.agg, cfg.max_new_tokens)

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import logprobs
-from logprobs import chunked_token_logprobs, position_ids_from_mask, token_logprobs
+import chunked_logprobs
+from chunked_logprobs import chunked_token_logprobs
+from logprobs import position_ids_from_mask, token_logprobs
 from rollout import cat_rollouts, generate, generate_batches, rollout_rows
 from tasks import Problem, encode_prompts
 
@@ -75,7 +76,7 @@ def test_chunked_logprobs_equal_the_textbook_in_value_and_gradient(model, tok):
 def test_generic_head_path_agrees(model, tok, monkeypatch):
     ids, attn, cmask = batch_of(tok, ["3+4=", "10-20="], ["7", "-10"])
     textbook = token_logprobs(model, ids, attn, cmask, 1.0)
-    monkeypatch.setattr(logprobs, "has_plain_head", lambda m: False)
+    monkeypatch.setattr(chunked_logprobs, "has_plain_head", lambda m: False)
     assert torch.allclose(chunked_token_logprobs(model, ids, attn, cmask, 1.0), textbook, atol=1e-5)
 
 
@@ -146,7 +147,7 @@ def test_the_samplers_log_alpha_matches_a_forward_pass_and_seed_reproduces(model
     assert torch.equal(a.completion_ids, b.completion_ids)
     assert a.completion_ids.shape[0] == 6 and torch.equal(a.prompt_ids[0], a.prompt_ids[2])  # group-major
     lp = chunked_token_logprobs(model, a.input_ids, a.attention_mask, a.completion_mask, 1.3)
-    assert torch.allclose(lp, a.alpha_logp, atol=1e-5)  # KV-cached sampling == full forward
+    assert torch.allclose(lp, a.sampler_logp, atol=1e-5)  # KV-cached sampling == full forward
 
 
 def test_greedy_is_argmax_of_the_full_forward(model, tok):
@@ -179,7 +180,7 @@ def test_selected_logprob_function_gradcheck(bias):
     w = torch.randn(7, 4, dtype=torch.float64, generator=g, requires_grad=True)
     b = torch.randn(7, dtype=torch.float64, generator=g, requires_grad=True) if bias else None
     y = torch.tensor([0, 3, 6, 2, 2])
-    f = lambda h, w, b: logprobs.SelectedLogProb.apply(h, w, b, y, 0.8, 2).double()
+    f = lambda h, w, b: chunked_logprobs.SelectedLogProb.apply(h, w, b, y, 0.8, 2).double()
     assert torch.autograd.gradcheck(f, (h, w, b))
 
 
@@ -207,10 +208,10 @@ def test_generate_batches_splits_one_sampling_into_the_batches_each_step_would_h
         t = ro.completion_ids.shape[1]
         assert t == int(ref.completion_mask.sum(1).max())  # no all-padding completion column
         assert torch.equal(ro.completion_ids, ref.completion_ids[:, :t]) and torch.equal(ro.truncated, ref.truncated)
-        assert torch.equal(ro.alpha_logp, ref.alpha_logp[:, :t])
+        assert torch.equal(ro.sampler_logp, ref.sampler_logp[:, :t])
         # The trimmed batch is what the update reads: its log-probs equal the sampler's (one network).
         lp = chunked_token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)
-        assert torch.allclose(lp, ro.alpha_logp, atol=1e-5)
+        assert torch.allclose(lp, ro.sampler_logp, atol=1e-5)
 
 
 def test_cat_then_rows_gives_back_each_part_exactly(model, tok):

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 import step
 import train
 from advantage import group_advantages
+from chunked_logprobs import chunked_token_logprobs
 from config import Config, build_parser, resolve
 from conftest import ROOT, TEST_WARMUP, shared_data
-from logprobs import chunked_token_logprobs
 from rollout import generate
 from tasks import Problem, encode_prompts, load_task
 
@@ -61,14 +61,13 @@ def make_batch(model, tok, seed=0, group=4, temperature=1.0):
         completion_mask=ro.completion_mask,
         loss_mask=ro.completion_mask * valid[:, None],
         advantages=adv,
-        alpha_logp=ro.alpha_logp,
-        alpha_is_pi_k=True,  # a refresh step: alpha is pi_k
+        alpha_logp=None,  # a refresh step: alpha is pi_k
     )
 
 
 def stale(batch: step.Batch, alpha_logp: torch.Tensor) -> step.Batch:
     """The batch as a stale step sees it: sampled by an alpha whose log-probs are `alpha_logp`, not pi_k."""
-    return dataclasses.replace(batch, alpha_logp=alpha_logp, alpha_is_pi_k=False)
+    return dataclasses.replace(batch, alpha_logp=alpha_logp)
 
 
 def cfg_for(**kw):
@@ -195,7 +194,7 @@ def test_a_refresh_samples_its_whole_cycle_from_the_live_policy(
         return out
 
     def update_spy(cfg, policy, opt, batch, ref_logp):
-        updates.append((batch.input_ids.clone(), None if batch.alpha_is_pi_k else batch.alpha_logp))
+        updates.append((batch.input_ids.clone(), batch.alpha_logp))
         return real_update(cfg, policy, opt, batch, ref_logp)
 
     def load_spy(*a, **kw):
@@ -224,7 +223,7 @@ def test_a_refresh_samples_its_whole_cycle_from_the_live_policy(
         if k % v == 0 and alpha_logp_from == "recompute":
             assert alpha_logp is None  # alpha = pi_k: the update's first epoch gives it
         elif alpha_logp_from == "sampler":
-            assert torch.equal(alpha_logp, ro.alpha_logp)
+            assert torch.equal(alpha_logp, ro.sampler_logp)
         else:
             with torch.no_grad():  # the policy at the refresh: the weights that sampled this cycle
                 policy = train.load_policy(small_cfg(warm_cache, tmp_path))[0]

@@ -21,9 +21,9 @@ from trl_testing import G, make_trainer, noisy, rows, save_policy, sequences  # 
 import corrections  # noqa: E402
 import objective  # noqa: E402
 from advantage import group_advantages  # noqa: E402
+from chunked_logprobs import chunked_token_logprobs  # noqa: E402
 from integrations import trl_grpo  # noqa: E402
 from integrations.trl_grpo import OffPolicyGRPOConfig, checksum  # noqa: E402
-from logprobs import chunked_token_logprobs  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,10 @@ import math
 import pytest
 import torch
 
+from chunked_logprobs import SelectedLogProb, chunked_token_logprobs
 from config import Config, resolve
-from logprobs import (
-    SelectedLogProb,
-    Truncation,
-    chunked_token_logprobs,
-    kept_tokens,
-    sampling_logits,
-    token_logprobs,
-)
+from decoding import static_sampler
+from logprobs import Truncation, kept_tokens, sampling_logits, token_logprobs
 from rollout import generate
 from tasks import Problem, encode_prompts
 
@@ -88,7 +83,7 @@ def batch(tok, model, truncation, temperature=0.9, seed=0, fast=False):
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         generator=gen,
-        fast=fast,
+        sampler=static_sampler(fast),
     )
 
 
@@ -101,10 +96,10 @@ def test_the_sampler_draws_from_the_kept_set_and_records_its_renormalised_log_pr
     cm = ro.completion_mask.bool()
     textbook = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 0.9, truncation)
     # The sampler's log alpha is the forward's renormalised one (the KV-cached loop against one full pass) ...
-    assert (ro.alpha_logp - textbook)[cm].abs().max() < 1e-5
+    assert (ro.sampler_logp - textbook)[cm].abs().max() < 1e-5
     # ... and not the whole vocabulary's: that differs by the log of the kept mass (trl#6789's bias).
     whole = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 0.9)
-    assert (ro.alpha_logp - whole)[cm].max() > 1e-3 and ((ro.alpha_logp - whole)[cm] >= -1e-6).all()
+    assert (ro.sampler_logp - whole)[cm].max() > 1e-3 and ((ro.sampler_logp - whole)[cm] >= -1e-6).all()
     # Every sampled token was in the kept set of its position.
     logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask).logits[:, -cm.shape[1] - 1 : -1]
     keep = kept_tokens(logits.float() / 0.9, truncation)

@@ -6,10 +6,10 @@ from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 import tiny
+from chunked_logprobs import chunked_token_logprobs
 from conftest import TEST_WARMUP
 from integrations import trl_grpo
 from integrations.trl_grpo import OffPolicyGRPOConfig, OffPolicyGRPOTrainer, checksum
-from logprobs import chunked_token_logprobs
 from tasks import arithmetic_problems
 
 G = 4  # completions per prompt in these tests
