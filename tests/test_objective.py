@@ -314,3 +314,24 @@ def test_corrected_loss_without_a_correction_is_the_policy_loss_bit_for_bit(cent
     (loss_a, grad_a, stats_a), (loss_b, grad_b, stats_b) = results
     assert torch.equal(loss_a, loss_b) and torch.equal(grad_a, grad_b) and stats_a == stats_b
     assert stats_a["clip_low"] + stats_a["clip_high"] > 0  # the clip acts on this batch
+
+
+def test_the_rho_weighted_kl_estimates_kl_to_the_reference_under_alphas_samples():
+    """One KL (--kl-importance-weight): tokens drawn from a stale alpha, the per-token k3 and k1 weighted by
+    rho = pi_theta / alpha average to KL(pi_theta || pi_ref), computed exactly over the vocabulary; unweighted they
+    average to E_alpha[k], another number. 400k samples: the standard error is about 1e-3."""
+    g = torch.Generator().manual_seed(0)
+    logits = {name: torch.randn(6, generator=g, dtype=torch.float64) for name in ("theta", "ref", "alpha")}
+    log = {name: torch.log_softmax(z, dim=0) for name, z in logits.items()}
+    exact = (log["theta"].exp() * (log["theta"] - log["ref"])).sum().item()  # KL(pi_theta || pi_ref)
+    y = torch.multinomial(log["alpha"].exp(), 400_000, replacement=True, generator=g)[None]  # (1, T) from alpha
+    logp, alpha_logp, ref_logp = log["theta"][y], log["alpha"][y], log["ref"][y]  # (1, T) each
+    ones = torch.ones_like(logp)
+    for estimator in ("k1", "k3"):
+        means = {}
+        for weighted in (False, True):
+            kl = dict(beta=1.0, kl_estimator=estimator, kl_importance_weight=weighted)
+            _, st = policy_loss(logp, alpha_logp, logp, ref_logp, torch.zeros(1), ones, **kl)
+            means[weighted] = st["kl"]
+        assert abs(means[True] - exact) < 0.01, (estimator, means, exact)
+        assert abs(means[False] - exact) > 0.1, (estimator, means, exact)

@@ -20,8 +20,10 @@ from trl_testing import G, make_trainer, noisy, rows, save_policy, sequences  # 
 
 import corrections  # noqa: E402
 import objective  # noqa: E402
+import step  # noqa: E402
 from advantage import group_advantages  # noqa: E402
 from chunked_logprobs import chunked_token_logprobs  # noqa: E402
+from config import Config  # noqa: E402
 from integrations import trl_grpo  # noqa: E402
 from integrations.trl_grpo import OffPolicyGRPOConfig, checksum  # noqa: E402
 
@@ -77,15 +79,20 @@ def test_parity_with_stock_trl(policy_dir, tmp_path, loss_type, bias_kl):
     assert max(g.abs().max().item() for g in results["stock"][1]) > 1e-3  # a gradient that could differ
 
 
-def test_offpolicy_loss_is_objective_policy_loss(policy_dir, tmp_path):
+@pytest.mark.parametrize("weighted_kl", [False, True], ids=["kl", "rho-weighted-kl"])
+def test_offpolicy_loss_is_the_loops_loss(policy_dir, tmp_path, weighted_kl):
     """v > 1, the pi_k centre: log alpha is TRL's old_per_token_logps, log pi_k the forward detached, and the loss
-    equals objective.policy_loss on the same tensors, with log-probs from logprobs.token_logprobs, advantages from
-    advantage.group_advantages and an independent normaliser."""
-    trainer = make_trainer(policy_dir, tmp_path, offpolicy_steps=3, beta=0.04, use_bias_correction_kl=False)
+    equals the loop's (step.loss_fn, objective.policy_loss) on the same tensors, with log-probs from
+    chunked_logprobs, advantages from advantage.group_advantages and an independent normaliser. One KL: TRL's
+    use_bias_correction_kl and train.py's --kl-importance-weight give the same term, and the other setting does
+    not."""
+    # beta 1: the KL term as large as the surrogate, so that its weight shows in the loss
+    trainer = make_trainer(policy_dir, tmp_path, offpolicy_steps=3, beta=1.0, use_bias_correction_kl=weighted_kl)
     trainer.model.train()
     batch = trainer._generate_and_score_completions(rows(trainer, 8))
     cmask = batch["completion_mask"]
     batch["old_per_token_logps"] = noisy(batch["ref_per_token_logps"], cmask, seed=2)  # a stale alpha: rho' != 1
+    batch["ref_per_token_logps"] = noisy(batch["ref_per_token_logps"], cmask, seed=3)  # pi_ref != pi_theta: kl > 0
     trainer._set_step_normalisers([batch], group=1)
     adv, valid = group_advantages(trainer._rewards.sum(dim=1), G)
     assert torch.equal(batch["advantages"], adv) and not valid.all() and valid.any()
@@ -94,12 +101,15 @@ def test_offpolicy_loss_is_objective_policy_loss(policy_dir, tmp_path):
     mask = cmask * valid.unsqueeze(1)
     old, ref = batch["old_per_token_logps"], batch["ref_per_token_logps"]
     total = objective.aggregation_total(mask, "token-mean")
-    expected, st = objective.policy_loss(
-        logp, old, logp.detach(), ref, adv, mask, clip_center="pi_k", beta=0.04, total=total
-    )
+
+    def loops_loss(kl_importance_weight):
+        cfg = Config(beta=1.0, clip_center="pi_k", kl_importance_weight=kl_importance_weight)
+        return step.loss_fn(cfg, logp, old, logp.detach(), ref, adv, mask, total)[0].item()
+
     rho_prime_max = corrections.sampler_mismatch_stats(old, logp.detach(), mask)["rho_prime_max"]
     assert rho_prime_max > 1.5  # the two centres give different losses on these tensors
-    assert abs(loss.item() - expected.item()) < 1e-5
+    assert abs(loss.item() - loops_loss(weighted_kl)) < 1e-5
+    assert abs(loss.item() - loops_loss(not weighted_kl)) > 1e-3  # the weight changes the KL term
 
 
 class EngineStub:
