@@ -29,7 +29,11 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from logprobs import Truncation, cache_kwarg, entropy_of, last_logits_only, position_ids_from_mask, sampling_logits
+# logprobs.py sits beside this file: a checkout imports it by name, a copy inside a package of its own relatively.
+if __package__:
+    from .logprobs import Truncation, cache_kwarg, entropy_of, last_logits_only, position_ids_from_mask, sampling_logits
+else:
+    from logprobs import Truncation, cache_kwarg, entropy_of, last_logits_only, position_ids_from_mask, sampling_logits
 
 
 @dataclass
