@@ -1,2 +1,7 @@
-"""Speed and memory of one GRPO step (bench) and the GPU checks (gpu_check.sh). Run from the repository root:
-`python -m benchmarks.bench`, `bash benchmarks/gpu_check.sh`."""
+"""What a step costs, timed: run from the repository root.
+
+bench.py       speed and memory of one GRPO step (`python -m benchmarks.bench`), beside stock TRL's
+trl_bench.py   stock TRL's GRPOTrainer step on the same model and sizes (bench.py's --vs-trl)
+compare.py     bench.py's configurations side by side in one process each
+gpu_check.sh   every GPU check in one command (`bash benchmarks/gpu_check.sh`; GPU_CHECK_TINY=1 on a CPU)
+"""

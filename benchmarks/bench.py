@@ -29,7 +29,7 @@ Where it departs from a training run, so that runs are comparable:
 
 `--vs-trl` then runs TRL's GRPOTrainer (optional: `pip install trl`) on the same model and sizes, in the
 same process; `--trl-subclass` instead times stock GRPOTrainer against integrations/trl_grpo.py's subclass
-at v = 1 and v = 4. What is matched and what differs: integrations/trl_bench.py.
+at v = 1 and v = 4. What is matched and what differs: benchmarks/trl_bench.py.
 """
 
 import argparse
@@ -47,9 +47,9 @@ import torch
 
 import step
 from benchmarks.compare import FITS, compare, fit_name
+from benchmarks.trl_bench import subclass_step_times, trl_step_times
 from config import Config, ConfigError, resolve, validate
 from decoding import sampling_path
-from integrations.trl_bench import subclass_step_times, trl_step_times
 from policy import auto_micro_batch, gguf_file, load_gguf
 from run_io import current_memory_gb, peak_memory_gb, reset_peak_memory
 from step import clock, grpo_step, make_models

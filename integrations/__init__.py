@@ -1,2 +1,8 @@
-"""The same GRPO math inside other engines: TRL (trl_grpo, trl_bench) and verl (verl_grpo). Run from the
-repository root as modules, e.g. `python -m integrations.trl_grpo`; they import the top-level concept files."""
+"""The same GRPO math inside other engines, past one GPU; run from the repository root as modules.
+
+    trl_grpo.py    OffPolicyGRPOTrainer, [A]'s off-policy GRPO in TRL's GRPOTrainer (`python -m integrations.trl_grpo`)
+    verl_grpo.py   the loss and advantage registered in verl
+
+They import the top-level concept files (objective, advantage, reinforce, corrections). TRL's own test suite run
+against the trainer: tests/trl_upstream.py.
+"""

@@ -44,10 +44,26 @@ def test_concept_files_import_only_torch_or_the_standard_library(name, allowed):
         assert top in allowed or top in STDLIB, f"{name} imports {module}"
 
 
-def test_rollout_uses_only_public_names_of_decoding():
-    for module, names in imports("rollout.py"):
-        if module == "decoding":
-            assert not [n for n in names if n.startswith("_")], names
+def test_the_reference_sampler_copies_with_logprobs_alone():
+    # rollout.py takes the fast loop as an argument (step.sampler chooses it): it imports no other project file.
+    project = {p.stem for p in ROOT.glob("*.py")}
+    assert {m.split(".")[0] for m, _ in imports("rollout.py")} & project == {"logprobs"}
+
+
+def test_every_python_file_is_where_ruff_and_this_test_look():
+    # Code lives at the top, in FOLDERS or in tests/; results/ holds data only. Ruff excludes nothing but venvs.
+    skip = (".venv", ".cache", ".git")
+    files = [p.relative_to(ROOT) for p in ROOT.rglob("*.py") if not p.relative_to(ROOT).parts[0].startswith(skip)]
+    stray = [str(f) for f in files if len(f.parts) > 1 and f.parts[0] not in (*FOLDERS, "tests")]
+    assert not stray, stray
+    assert [f for f in files if f.parts[0] == "results"] == []
+    assert 'extend-exclude = [".venv*"]' in (ROOT / "pyproject.toml").read_text()
+
+
+@pytest.mark.parametrize("module", [f"studies.real_model_{name}" for name in ("measure", "completions", "eval")])
+def test_the_studies_scripts_import(module):
+    # They run as `python -m studies.X`: importing one resolves every project name it uses.
+    __import__(module)
 
 
 def project_modules(root=ROOT) -> dict[str, list[str]]:

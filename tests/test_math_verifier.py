@@ -89,7 +89,7 @@ def test_numeric_mode_keeps_its_rules(completion, gold, expected):
 
 @pytest.mark.parametrize("symbolic", [False, True])
 def test_gsm8k_golds_in_both_modes(symbolic):
-    # A numeric gold is read as a number in either mode (its speed: benchmarks/verifier_probe.py).
+    # A numeric gold is read as a number in either mode (its speed: studies/verifier_probe.py).
     if symbolic:
         needs("math_verify", "math")  # symbolic=True imports it at its first call, whatever the input
     rows = [json.loads(line) for line in shared_data("gsm8k", "test.jsonl").read_text().splitlines() if line.strip()]
@@ -419,12 +419,12 @@ def test_outside_the_main_thread_only_numbers_are_compared(mv):
 def test_the_probe_script(mv, tmp_path):
     shared_data("math500", "test.jsonl")
     shared_data("gsm8k", "test.jsonl")
-    from benchmarks import verifier_probe
+    from studies import verifier_probe
 
     out = tmp_path / "probe.md"
     assert verifier_probe.main(["--limit", "8", "--out", str(out)]) == 0
     text = out.read_text()
-    assert "python benchmarks/verifier_probe.py --limit 8" in text
+    assert "python -m studies.verifier_probe --limit 8" in text
     header = next(line for line in text.splitlines() if line.startswith("| type |"))
     for col in (
         "golds",
@@ -453,7 +453,7 @@ def test_probe_rewritings_are_equal_by_construction():
     # The probe's own arithmetic (independent of the verifier): terminating decimals and their absence.
     from fractions import Fraction
 
-    from benchmarks.verifier_probe import decimal_text, increment_first_integer
+    from studies.verifier_probe import decimal_text, increment_first_integer
 
     assert decimal_text(Fraction(3, 2)) == "1.5"
     assert decimal_text(Fraction(1, 8)) == "0.125"

@@ -1,20 +1,17 @@
 """Greedy completions of the first held-out word problems, before (the GGUF file) and after training (a run's final/),
 decoded as the verifier reads them, with the verifier's verdict: the "before and after" of README.md.
 
-    OMP_NUM_THREADS=1 python results/real_model/completions.py GGUF RUN/final N MAX_NEW_TOKENS > completions.md
+    OMP_NUM_THREADS=1 python -m studies.real_model_completions GGUF RUN/final N MAX_NEW_TOKENS > completions.md
 """
 
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from reward import math_reward  # noqa: E402
-from rollout import generate  # noqa: E402
-from run_io import load_gguf  # noqa: E402
-from tasks import encode_prompts, load_task  # noqa: E402
+from policy import load_gguf
+from reward import math_reward
+from rollout import generate
+from tasks import encode_prompts, load_task
 
 
 def completions(model, tok, problems, max_new_tokens: int) -> list[str]:

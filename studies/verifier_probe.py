@@ -1,7 +1,7 @@
 """Probe the verifier: what does `reward.math_reward` credit on MATH-500 and GSM8K golds?
 
-    python benchmarks/verifier_probe.py               # writes results/verifier_probe.md and prints it
-    python benchmarks/verifier_probe.py --limit 20    # only the first 20 golds of each data set
+    python -m studies.verifier_probe               # writes results/verifier_probe.md and prints it
+    python -m studies.verifier_probe --limit 20    # only the first 20 golds of each data set
 
 Built deterministically from ../shared/data/math500/test.jsonl (`answer`) and ../shared/data/gsm8k/test.jsonl
 (the gold after `####`), each answer wrapped in a short completion with `\\boxed{}`. For each MATH-500 gold:
@@ -32,11 +32,9 @@ from collections import defaultdict
 from fractions import Fraction
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `python benchmarks/verifier_probe.py` puts benchmarks/ first, not the repository
-    sys.path.insert(0, str(ROOT))
+from reward import math_reward, parse_number
 
-from reward import math_reward, parse_number  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DATA = ROOT.parent / "shared" / "data"
 OUT = ROOT / "results" / "verifier_probe.md"
@@ -747,7 +745,7 @@ def report(per: dict, misjudged: list[str], rules: dict, gsm: list[dict], comman
         command,
         "```",
         "",
-        f"Built by benchmarks/verifier_probe.py (its docstring says how); python {platform.python_version()}, "
+        f"Built by studies/verifier_probe.py (its docstring says how); python {platform.python_version()}, "
         f"math-verify {version('math-verify')}, {seconds:.0f} s in all. The rules: docs/math-verifier.md. "
         "Times are per call (time.perf_counter), after one untimed call that imports math-verify; "
         "they depend on the machine and its load.",
@@ -844,7 +842,7 @@ def main(argv: list[str] | None = None) -> int:
     math_reward("\\boxed{x}", "y", symbolic=True)  # math-verify's first import and set-up, kept out of the times
     per, misjudged, rules = probe_math(read_jsonl(data / "math500" / "test.jsonl", args.limit), args.vs_math_verify)
     gsm = probe_gsm8k(read_jsonl(data / "gsm8k" / "test.jsonl", args.limit))
-    command = "python benchmarks/verifier_probe.py" + (f" --limit {args.limit}" if args.limit else "")
+    command = "python -m studies.verifier_probe" + (f" --limit {args.limit}" if args.limit else "")
     text = report(per, misjudged, rules, gsm, command, time.perf_counter() - t0)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)

@@ -1,6 +1,6 @@
 """TRL's own GRPOTrainer tests run against OffPolicyGRPOTrainer, offline: the harness of docs/trl.md, "TRL's own tests".
 
-    python -m integrations.trl_upstream --trl-repo /path/to/trl.git [--ref main] [-k EXPR] [--stock] [--out DIR]
+    python tests/trl_upstream.py --trl-repo /path/to/trl.git [--ref main] [-k EXPR] [--stock] [--out DIR]
 
 1. TRL's tests/test_grpo_trainer.py, testing_utils.py and conftest.py at --ref (`git show`, a bare clone is
    enough) go into a work folder outside this repository (TRL's code is TRL's; nothing of it is committed here);
@@ -75,7 +75,7 @@ CLASSIFIERS = {
     "tiny-Qwen3ForSequenceClassification": "Qwen3",
     "tiny-LlamaForSequenceClassification-3.2": "Llama",
 }
-CONFTEST = '''"""Written by integrations/trl_upstream.py: TRL's tests see OffPolicyGRPOTrainer under TRL's names."""
+CONFTEST = '''"""Written by tests/trl_upstream.py: TRL's tests see OffPolicyGRPOTrainer under TRL's names."""
 import sys
 from dataclasses import dataclass
 

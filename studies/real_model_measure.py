@@ -1,7 +1,7 @@
 """Base rates of SmolLM2-135M-Instruct on a task, measured the way train.py trains and evaluates:
 tasks.encode_prompts, rollout.generate and reward.math_reward on the tokenizer-decoded completion.
 
-    OMP_NUM_THREADS=1 python results/real_model/measure.py --task wordproblems --n 128 \
+    OMP_NUM_THREADS=1 python -m studies.real_model_measure --task wordproblems --n 128 \
         --lengths 32 48 64 --temperatures 0.7 1.0 --group-size 8 --prompts 32
 
 Greedy accuracy on the first --n held-out problems at each completion length; then, at each temperature
@@ -13,18 +13,15 @@ import argparse
 import json
 import os
 import re
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from reward import math_reward  # noqa: E402
-from rollout import generate  # noqa: E402
-from run_io import load_gguf  # noqa: E402
-from tasks import encode_prompts, load_task  # noqa: E402
+from policy import load_gguf
+from reward import math_reward
+from rollout import generate
+from tasks import encode_prompts, load_task
 
 DEFAULT_GGUF = Path.home() / ".cache/offpolicy-grpo/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -41,9 +38,17 @@ def credited(model, tok, problems, group_size, max_new_tokens, temperature, seed
     for s in range(0, len(problems), per):
         chunk = problems[s : s + per]
         ids, mask = encode_prompts(tok, chunk, "cpu")
-        ro = generate(model, ids, mask, group_size=group_size, max_new_tokens=max_new_tokens,
-                      temperature=temperature, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      generator=gen)
+        ro = generate(
+            model,
+            ids,
+            mask,
+            group_size=group_size,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            generator=gen,
+        )
         out = torch.where(ro.completion_mask.bool(), ro.completion_ids, tok.pad_token_id)
         texts = tok.batch_decode(out, skip_special_tokens=True)
         golds = [p.gold for p in chunk for _ in range(group_size)]
@@ -74,14 +79,33 @@ def main():
     probs = heldout if args.split == "heldout" else train
     for t in args.lengths:
         r, tr, sec, seen = credited(model, tok, probs[: args.n], 1, t, 0.0, 0, batch=128)
-        print(json.dumps(dict(kind="greedy", split=args.split, n=args.n, max_new_tokens=t,
-                              accuracy=round(r.mean().item(), 4), gold_mentioned=round(seen, 3),
-                              truncated=round(tr.float().mean().item(), 3), seconds=round(sec, 1))),
-              flush=True)
+        print(
+            json.dumps(
+                dict(
+                    kind="greedy",
+                    split=args.split,
+                    n=args.n,
+                    max_new_tokens=t,
+                    accuracy=round(r.mean().item(), 4),
+                    gold_mentioned=round(seen, 3),
+                    truncated=round(tr.float().mean().item(), 3),
+                    seconds=round(sec, 1),
+                )
+            ),
+            flush=True,
+        )
     if args.show:
         ids, mask = encode_prompts(tok, probs[: args.show], "cpu")
-        ro = generate(model, ids, mask, group_size=1, max_new_tokens=max(args.lengths), temperature=0.0,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        ro = generate(
+            model,
+            ids,
+            mask,
+            group_size=1,
+            max_new_tokens=max(args.lengths),
+            temperature=0.0,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
         out = torch.where(ro.completion_mask.bool(), ro.completion_ids, tok.pad_token_id)
         for p, text in zip(probs, tok.batch_decode(out, skip_special_tokens=True)):
             print(f"--- gold {p.gold}: {text!r}")
@@ -89,11 +113,24 @@ def main():
         for t in args.lengths:
             r, tr, sec, seen = credited(model, tok, probs[: args.prompts], args.group_size, t, temp, 0)
             signal = (r.amax(1) != r.amin(1)).float().mean().item()
-            print(json.dumps(dict(kind="sampled", split=args.split, prompts=args.prompts, group_size=args.group_size,
-                                  temperature=temp, max_new_tokens=t, pass_rate=round(r.mean().item(), 4),
-                                  groups_with_signal=round(signal, 3), gold_mentioned=round(seen, 3),
-                                  truncated=round(tr.float().mean().item(), 3), seconds=round(sec, 1))),
-                  flush=True)
+            print(
+                json.dumps(
+                    dict(
+                        kind="sampled",
+                        split=args.split,
+                        prompts=args.prompts,
+                        group_size=args.group_size,
+                        temperature=temp,
+                        max_new_tokens=t,
+                        pass_rate=round(r.mean().item(), 4),
+                        groups_with_signal=round(signal, 3),
+                        gold_mentioned=round(seen, 3),
+                        truncated=round(tr.float().mean().item(), 3),
+                        seconds=round(sec, 1),
+                    )
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
