@@ -513,7 +513,7 @@ def validate(cfg: Config) -> None:
         if not cfg.data_files:
             raise ConfigError("--task math reads a local JSONL of 'problem'/'answer' rows: give it with --data-files")
         try:
-            import math_verify  # noqa: F401  (its presence only; reward.py imports it to score)
+            import math_verify  # noqa: F401  (its presence only; math_verifier.py imports it to score)
         except ImportError:
             raise ConfigError(
                 "--task math scores answers with math-verify, an optional extra: pip install -e '.[math]'"

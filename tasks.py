@@ -21,7 +21,7 @@ Their instruction is INSTRUCTION without its example (`WORD_INSTRUCTION`: that m
 
 `math`: MATH-style problems from a local JSONL (`--data-files`; MATH-500 and DeepScaleR files have this shape):
 `problem` and `answer` fields, or, without `answer`, the last `\\boxed{}` of `solution`. The gold is a LaTeX
-answer (`\\frac{\\sqrt{3}}{3}`, `(-\\infty, 2]`), scored by `reward.math_reward(..., symbolic=True)`; the
+answer (`\\frac{\\sqrt{3}}{3}`, `(-\\infty, 2]`), scored by `math_verifier.symbolic_reward`; the
 prompt asks for the final answer in `\\boxed{}` (MATH_INSTRUCTION). Held-out problems come from `--eval-files`,
 else the file's first `eval_size` rows.
 

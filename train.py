@@ -23,7 +23,6 @@ Deviations from [A]:
 """
 
 import contextlib
-import functools
 import json
 import random
 import signal
@@ -210,8 +209,13 @@ def check_finite_weights(policy, when: str) -> None:
 
 
 def reward_of(task: str):
-    """The task's verifier, (completion, gold) -> 0.0 or 1.0: reward.math_reward, symbolic for MATH-style answers."""
-    return functools.partial(math_reward, symbolic=True) if task == "math" else math_reward
+    """The task's verifier, (completion, gold) -> 0.0 or 1.0: reward.math_reward, or for MATH-style answers
+    math_verifier.symbolic_reward (imported here: math-verify is the [math] extra)."""
+    if task == "math":
+        from math_verifier import symbolic_reward
+
+        return symbolic_reward
+    return math_reward
 
 
 def verifier(tokenizer, problems: list[Problem], group_size: int, reward=math_reward):

@@ -32,6 +32,7 @@ from collections import defaultdict
 from fractions import Fraction
 from pathlib import Path
 
+from math_verifier import symbolic_reward
 from reward import math_reward, parse_number
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -632,7 +633,7 @@ def timed(text: str, gold: str, symbolic: bool, stats: dict) -> float | None:
     """math_reward(text, gold) timed; None (and counted) if it raised."""
     t0 = time.perf_counter()
     try:
-        r = math_reward(text, gold, symbolic=symbolic)
+        r = (symbolic_reward if symbolic else math_reward)(text, gold)
     except Exception as e:  # the probe counts what escapes; math_reward must never raise
         stats["exceptions"].append(f"{type(e).__name__}: {e}"[:200])
         r = None
@@ -839,7 +840,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     data = Path(args.data)
     t0 = time.perf_counter()
-    math_reward("\\boxed{x}", "y", symbolic=True)  # math-verify's first import and set-up, kept out of the times
+    symbolic_reward("\\boxed{x}", "y")  # math-verify's first import and set-up, kept out of the times
     per, misjudged, rules = probe_math(read_jsonl(data / "math500" / "test.jsonl", args.limit), args.vs_math_verify)
     gsm = probe_gsm8k(read_jsonl(data / "gsm8k" / "test.jsonl", args.limit))
     command = "python -m studies.verifier_probe" + (f" --limit {args.limit}" if args.limit else "")

@@ -35,7 +35,8 @@ def imports(name: str) -> list[tuple[str, list[str]]]:
         ("corrections.py", {"torch", "objective"}),
         ("reinforce.py", {"torch", "objective"}),
         ("logprobs.py", {"torch"}),
-        ("reward.py", {"math_verify"}),  # imported lazily, by the symbolic mode only (--task math)
+        ("reward.py", set()),  # the numeric verifier: the standard library only, it copies alone
+        ("math_verifier.py", {"math_verify", "reward"}),  # math-verify imported lazily, at the first call
     ],
 )
 def test_concept_files_import_only_torch_or_the_standard_library(name, allowed):

@@ -1,8 +1,8 @@
-"""Tests of reward.py's symbolic mode, `math_reward(..., symbolic=True)` (`--task math`).
+"""Tests of math_verifier.py, the symbolic mode `symbolic_reward(...)` (`--task math`).
 
 Expected values are written by hand from the mathematics (is this answer equal to that gold?), not read
 off the verifier; the strictness guards S1-S5 of reward.py's docstring each get cases where math-verify
-alone would credit a wrong answer. The symbolic=False path is checked to stay what it was, and to need
+alone would credit a wrong answer. reward.py's numeric rules are checked to stay what they were, and to need
 no math-verify at all.
 """
 
@@ -16,6 +16,7 @@ import time
 import pytest
 
 from conftest import ROOT, needs, shared_data
+from math_verifier import symbolic_reward
 from reward import extract_answer, math_reward, parse_number
 
 
@@ -30,22 +31,22 @@ def box(answer: str) -> str:
 
 
 def sym(answer: str, gold: str) -> float:
-    return math_reward(box(answer), gold, symbolic=True)
+    return symbolic_reward(box(answer), gold)
 
 
-# ---------------------------------------------------------------- symbolic=False: unchanged, no math-verify
+# ---------------------------------------------------------------- reward.py: unchanged, no math-verify
 
 
 def test_import_and_numeric_mode_work_without_math_verify():
     code = (
         "import sys; sys.modules['math_verify'] = None\n"  # `import math_verify` now raises ImportError
-        "import reward\n"
+        "import reward, math_verifier\n"
         "assert reward.math_reward('#### 1,234', '1234') == 1.0\n"
-        "assert reward.math_reward('so \\\\boxed{\\\\frac{3}{4}}', '0.75', symbolic=False) == 1.0\n"
+        "assert reward.math_reward('so \\\\boxed{\\\\frac{3}{4}}', '0.75') == 1.0\n"
         "assert reward.math_reward('#### 5', '6') == 0.0\n"
         "try:\n"
-        "    reward.math_reward('\\\\boxed{x}', 'x', symbolic=True)\n"
-        "    raise SystemExit('symbolic=True ran without math-verify')\n"
+        "    math_verifier.symbolic_reward('\\\\boxed{x}', 'x')\n"
+        "    raise SystemExit('symbolic_reward ran without math-verify')\n"
         "except ImportError:\n"
         "    pass\n"
         "print('ok')\n"
@@ -84,21 +85,22 @@ def test_numeric_mode_never_imports_math_verify():
 )
 def test_numeric_mode_keeps_its_rules(completion, gold, expected):
     assert math_reward(completion, gold) == expected
-    assert math_reward(completion, gold, symbolic=False) == expected
+    assert math_reward(completion, gold) == expected
 
 
 @pytest.mark.parametrize("symbolic", [False, True])
 def test_gsm8k_golds_in_both_modes(symbolic):
     # A numeric gold is read as a number in either mode (its speed: studies/verifier_probe.py).
     if symbolic:
-        needs("math_verify", "math")  # symbolic=True imports it at its first call, whatever the input
+        needs("math_verify", "math")  # symbolic_reward imports it at its first call, whatever the input
     rows = [json.loads(line) for line in shared_data("gsm8k", "test.jsonl").read_text().splitlines() if line.strip()]
     for row in rows[:300]:
         reasoning, gold = row["answer"].rsplit("####", 1)
         gold = gold.strip().replace(",", "")
-        assert math_reward(f"{reasoning}\n#### {gold}", gold, symbolic=symbolic) == 1.0
-        assert math_reward(f"{reasoning}\nThe answer is \\boxed{{{gold}}}.", gold, symbolic=symbolic) == 1.0
-        assert math_reward(f"{reasoning}\n#### {int(gold) + 1}", gold, symbolic=symbolic) == 0.0
+        score = symbolic_reward if symbolic else math_reward
+        assert score(f"{reasoning}\n#### {gold}", gold) == 1.0
+        assert score(f"{reasoning}\nThe answer is \\boxed{{{gold}}}.", gold) == 1.0
+        assert score(f"{reasoning}\n#### {int(gold) + 1}", gold) == 0.0
 
 
 # ---------------------------------------------------------------- answer types, hand-written
@@ -289,26 +291,26 @@ def test_s2_units(mv, answer, gold, expected):
     ],
 )
 def test_s3_no_hedging(mv, completion, gold):
-    assert math_reward(completion, gold, symbolic=True) == 0.0
+    assert symbolic_reward(completion, gold) == 0.0
 
 
 def test_s3_the_same_answer_twice_is_no_hedge(mv):
-    assert math_reward("\\boxed{\\frac12} ... so \\boxed{0.5}", "\\frac{1}{2}", symbolic=True) == 1.0
-    assert math_reward("\\boxed{\\boxed{7}}", "7", symbolic=True) == 1.0
-    assert math_reward("\\boxed{1 \\pm \\sqrt{19}}", "1 \\pm \\sqrt{19}", symbolic=True) == 1.0
+    assert symbolic_reward("\\boxed{\\frac12} ... so \\boxed{0.5}", "\\frac{1}{2}") == 1.0
+    assert symbolic_reward("\\boxed{\\boxed{7}}", "7") == 1.0
+    assert symbolic_reward("\\boxed{1 \\pm \\sqrt{19}}", "1 \\pm \\sqrt{19}") == 1.0
 
 
 def test_s4_extraction_order(mv):
     # Symbolic mode reads boxes first (a `#### Final Answer` heading is common above a box) ...
-    assert math_reward("#### Final Answer\n\\boxed{\\frac{3}{4}}", "\\frac34", symbolic=True) == 1.0
-    assert math_reward("\\boxed{7}\n#### 8", "7", symbolic=True) == 1.0
+    assert symbolic_reward("#### Final Answer\n\\boxed{\\frac{3}{4}}", "\\frac34") == 1.0
+    assert symbolic_reward("\\boxed{7}\n#### 8", "7") == 1.0
     # ... then `####`, then a bare number; numeric mode keeps `####` first.
-    assert math_reward("Reasoning.\n#### 42", "42", symbolic=True) == 1.0
-    assert math_reward("-48", "-48", symbolic=True) == 1.0
+    assert symbolic_reward("Reasoning.\n#### 42", "42") == 1.0
+    assert symbolic_reward("-48", "-48") == 1.0
     assert math_reward("\\boxed{7}\n#### 8", "8") == 1.0
-    assert math_reward("the answer is 42", "42", symbolic=True) == 0.0
-    assert math_reward("\\boxed{}", "0", symbolic=True) == 0.0
-    assert math_reward("\\boxed{5} \\boxed{ }", "5", symbolic=True) == 0.0  # the last box is empty: no answer
+    assert symbolic_reward("the answer is 42", "42") == 0.0
+    assert symbolic_reward("\\boxed{}", "0") == 0.0
+    assert symbolic_reward("\\boxed{5} \\boxed{ }", "5") == 0.0  # the last box is empty: no answer
 
 
 # ---------------------------------------------------------------- S5: never raises, bounded
@@ -371,7 +373,7 @@ def test_s5_never_raises_and_stays_bounded(mv):
     worst = 0.0
     for completion, gold in _hostile_pairs():
         t0 = time.perf_counter()
-        r = math_reward(completion, gold, symbolic=True)
+        r = symbolic_reward(completion, gold)
         worst = max(worst, time.perf_counter() - t0)
         assert r in (0.0, 1.0)
         if gold not in ("5", None) and isinstance(completion, str) and completion.endswith("$."):
@@ -380,9 +382,9 @@ def test_s5_never_raises_and_stays_bounded(mv):
 
 
 def reward_budget() -> float:
-    import reward
+    import math_verifier
 
-    return reward.MV_TIMEOUT_S + reward.SYMBOLIC_BUDGET_S
+    return math_verifier.MV_TIMEOUT_S + math_verifier.SYMBOLIC_BUDGET_S
 
 
 def test_s5_hostile_inputs_without_a_box_score_as_in_numeric_mode(mv):
@@ -391,7 +393,7 @@ def test_s5_hostile_inputs_without_a_box_score_as_in_numeric_mode(mv):
 
     pairs = [(c, g) for c, g in hostile_inputs(600) if "\\boxed" not in c[-5000:]]
     assert len(pairs) > 100
-    assert [c[-60:] for c, g in pairs if math_reward(c, g, symbolic=True) != 0.0] == []
+    assert [c[-60:] for c, g in pairs if symbolic_reward(c, g) != 0.0] == []
 
 
 def test_outside_the_main_thread_only_numbers_are_compared(mv):
@@ -409,7 +411,7 @@ def test_outside_the_main_thread_only_numbers_are_compared(mv):
     t = threading.Thread(target=work, daemon=True)
     t.start()
     t.join(timeout=60)
-    assert results == [1.0, "reward.math_reward(symbolic=True) needs the main thread (math-verify's time limit)"]
+    assert results == [1.0, "math_verifier.symbolic_reward needs the main thread (math-verify's time limit)"]
     assert sym("\\frac{1}{\\sqrt{3}}", "\\frac{\\sqrt{3}}{3}") == 1.0  # the main thread compares it
 
 
