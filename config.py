@@ -317,24 +317,30 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
         usage="python train.py [flags]   (e.g. --offpolicy-steps 4; --resume --out RUN continues a run)",
         description="On- and off-policy GRPO on one device. docs/flags.md explains each group.",
     )
-    by_name = {f.name: f for f in fields(Config)}
     for title, names in HELP_GROUPS.items():
-        group = p.add_argument_group(title)
-        for name in names:
-            f = by_name[name]
-            # Choices are checked by validate(), with a one-line error; here they are only shown.
-            help_, choices = f.metadata["help"], f.metadata["choices"]
-            default = argparse.SUPPRESS if suppress_defaults else f.default
-            if f.type in (bool, "bool"):
-                action = "store_false" if f.default else "store_true"
-                group.add_argument(flag_name(f), dest=f.name, action=action, default=default, help=help_)
-                continue
-            if f.default is not None:
-                help_ += f" (default: {f.default})"
-            kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
-            metavar = "{" + ",".join(choices) + "}" if choices else {int: "N", float: "X", str: "TEXT"}[kind]
-            group.add_argument(flag_name(f), dest=f.name, type=kind, default=default, help=help_, metavar=metavar)
+        add_flags(p.add_argument_group(title), names, suppress_defaults=suppress_defaults)
     return p
+
+
+def add_flags(parser, names, defaults: dict | None = None, suppress_defaults: bool = False) -> None:
+    """The named Config fields as their flags on `parser` (a parser or an argument group), with the fields' help
+    and choices: train.py's CLI and the benchmark's share them. `defaults` replaces some fields' defaults."""
+    by_name = {f.name: f for f in fields(Config)}
+    for name in names:
+        f = by_name[name]
+        # Choices are checked by validate(), with a one-line error; here they are only shown.
+        help_, choices = f.metadata["help"], f.metadata["choices"]
+        value = (defaults or {}).get(name, f.default)
+        default = argparse.SUPPRESS if suppress_defaults else value
+        if f.type in (bool, "bool"):
+            action = "store_false" if f.default else "store_true"
+            parser.add_argument(flag_name(f), dest=f.name, action=action, default=default, help=help_)
+            continue
+        if value is not None:
+            help_ += f" (default: {value})"
+        kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
+        metavar = "{" + ",".join(choices) + "}" if choices else {int: "N", float: "X", str: "TEXT"}[kind]
+        parser.add_argument(flag_name(f), dest=f.name, type=kind, default=default, help=help_, metavar=metavar)
 
 
 NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)

@@ -1,7 +1,8 @@
 """Speed and memory of one GRPO step of this project's own loop, phase by phase.
 
-    python -m benchmarks.bench --model tiny --prompts 8 --group 8 --max-new-tokens 16 --beta 0.04 --vs-trl --device cpu
-    python -m benchmarks.bench --model qwen2.5-0.5b-random --prompts 64 --group 8 --prompt-len 128 \\
+    python -m benchmarks.bench --model tiny --prompts-per-step 8 --group-size 8 --max-new-tokens 16 --beta 0.04 \\
+        --vs-trl --device cpu
+    python -m benchmarks.bench --model qwen2.5-0.5b-random --prompts-per-step 64 --group-size 8 --prompt-len 128 \\
         --max-new-tokens 256 --beta 0.04 --device cuda --dtype bfloat16
 
 The timed step is train.py's own, `step.grpo_step`; its phases are the ones it times itself:
@@ -48,7 +49,7 @@ import torch
 import step
 from benchmarks.compare import FITS, compare, fit_name
 from benchmarks.trl_bench import subclass_step_times, trl_step_times
-from config import Config, ConfigError, resolve, validate
+from config import Config, ConfigError, add_flags, resolve, validate
 from decoding import sampling_path
 from policy import auto_micro_batch, gguf_file, load_gguf
 from run_io import current_memory_gb, peak_memory_gb, reset_peak_memory
@@ -80,25 +81,46 @@ QWEN_TOKENIZER = os.path.join(ROOT, "..", "shared", "data", "qwen2-tokenizer")
 PHASES = ["refresh", "sample", "score", "logprob", "update"]
 
 
+# train.py's flags that the benchmark takes as they are (config.add_flags), and its smaller default sizes.
+TRAIN_FLAGS = (
+    "device",
+    "dtype",
+    "prompts_per_step",
+    "group_size",
+    "max_new_tokens",
+    "temperature",
+    "sample_rows",
+    "sampling",
+    "beta",
+    "micro_batch",
+    "gradient_checkpointing",
+    "param_dtype",
+    "lora_rank",
+    "seed",
+)
+TRAIN_DEFAULTS = dict(prompts_per_step=8, group_size=8, max_new_tokens=16)
+
+
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default in its help, once: train.py's flags state theirs already."""
+
+    def _get_help_string(self, action):
+        return action.help if "(default" in (action.help or "") else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Time one GRPO step of this project's loop, phase by phase",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsOnce,
     )
     # --- model and device ---------------------------------------------------------------------
     p.add_argument(
         "--model", default="tiny", help=f"tiny (random weights), {', '.join(PRESETS)}, a folder, GGUF or hub id"
     )
-    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
-    dtypes = ["auto", "float32", "bfloat16"]
-    p.add_argument("--dtype", default="auto", choices=dtypes, help="as train.py: bfloat16 = autocast, auto on cuda")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    # --- the step -----------------------------------------------------------------------------------
-    p.add_argument("--prompts", type=int, default=8, help="B, prompts per step")
-    p.add_argument("--group", type=int, default=8, help="G, completions per prompt")
+    # --- the step: train.py's own flags, with smaller defaults -------------------------------------------------
+    add_flags(p.add_argument_group("train.py's flags"), TRAIN_FLAGS, defaults=TRAIN_DEFAULTS)
     p.add_argument("--prompt-len", type=int, default=32, help="P, tokens per prompt (random ids)")
-    p.add_argument("--max-new-tokens", type=int, default=16, help="T, tokens per completion (every one runs to T)")
-    p.add_argument("--beta", type=float, default=0.0, help="KL coefficient; > 0 adds the reference model's pass")
     p.add_argument("--offpolicy-steps", type=int, nargs="+", default=[1], help="v (1 = on-policy); several: compared")
     p.add_argument(
         "--alpha-logp-from",
@@ -107,12 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=["recompute"],
         help="log alpha of the later batches (train.py's flag); several: compared at v > 1",
     )
-    p.add_argument("--sample-rows", type=int, default=512, help="most rows per generate call at a refresh")
-    p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward/backward (default N)")
-    # --- fitting the model (train.py's flags; --fit runs several, one process each) --------------------------
-    p.add_argument("--gradient-checkpointing", action="store_true", help="as train.py: recompute in the backward")
-    p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"], help="as train.py")
-    p.add_argument("--lora-rank", type=int, default=0, help="as train.py: LoRA rank (0 = full fine-tuning)")
+    # --- fitting the model: --fit runs several of train.py's ways, one process each ------------------------------
     p.add_argument(
         "--fit",
         nargs="+",
@@ -121,19 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="several ways to fit the model, one process each, then a memory table: "
         + ", ".join(f"{k} = {' '.join(v) or 'full fine-tuning, float32'}" for k, v in FITS.items()),
     )
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    p.add_argument(
-        "--sampling",
-        default="auto",
-        choices=["auto", "plain", "fast"],
-        help="generate's path: auto (fast on CUDA), plain (the loop), fast (static cache)",
-    )
     # --- timing -------------------------------------------------------------------------------------
     p.add_argument("--steps", type=int, default=5, help="timed steps, rounded up to whole refresh cycles")
     p.add_argument(
         "--warmup", type=int, default=1, help="untimed steps first (allocator, kernels, graph capture), whole cycles"
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of prompts, rewards and sampling")
     p.add_argument("--vs-trl", action="store_true", help="also time TRL's GRPOTrainer on the same model and sizes")
     p.add_argument(
         "--vs-generate", action="store_true", help="also time transformers' model.generate on the same shapes"
@@ -322,7 +331,7 @@ def saved(model, tok):
 
 
 def trl_prompts(cfg: Config, args, tok, words: list[int]) -> list[str]:
-    """The text prompts TRL trains on: --prompts random word prompts per step, for --warmup + --steps steps."""
+    """The text prompts TRL trains on: --prompts-per-step random word prompts per step, for --warmup + --steps steps."""
     n = cfg.prompts_per_step * (args.warmup + args.steps)
     return make_prompts(tok, words, n, args.prompt_len, random.Random(cfg.seed))[1]
 
@@ -334,26 +343,14 @@ def main(argv: list[str] | None = None) -> int:
     args.offpolicy_steps, args.alpha_logp_from = args.offpolicy_steps[0], args.alpha_logp_from[0]
     if args.threads:
         torch.set_num_threads(args.threads)
+    shared = {name: getattr(args, name) for name in TRAIN_FLAGS}
     cfg = resolve(
         Config(
             model=args.model,
-            prompts_per_step=args.prompts,
-            group_size=args.group,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
             offpolicy_steps=args.offpolicy_steps,
             alpha_logp_from=args.alpha_logp_from,
-            sample_rows=args.sample_rows,
-            sampling=args.sampling,
-            beta=args.beta,
-            micro_batch=args.micro_batch,
-            gradient_checkpointing=args.gradient_checkpointing,
-            param_dtype=args.param_dtype,
-            lora_rank=args.lora_rank,
-            seed=args.seed,
-            device=args.device,
-            dtype=args.dtype,
             out=tempfile.gettempdir(),
+            **shared,
         )
     )
     validate(cfg)

@@ -43,7 +43,7 @@ fi
 
 if [ "${GPU_CHECK_TINY:-0}" = 1 ]; then
   MODE="tiny, cpu"
-  SIZES=(--model tiny --device cpu --dtype float32 --prompts 4 --group 4 --prompt-len 16 --max-new-tokens 8
+  SIZES=(--model tiny --device cpu --dtype float32 --prompts-per-step 4 --group-size 4 --prompt-len 16 --max-new-tokens 8
          --beta 0.04 --warmup 1 --threads 1)
   export OMP_NUM_THREADS=1  # a shared CPU: more threads than free cores only wait on each other
   FIT_SIZES=("${SIZES[@]}")
@@ -51,9 +51,9 @@ if [ "${GPU_CHECK_TINY:-0}" = 1 ]; then
 else
   MODE="qwen2.5-0.5b-random, cuda, bf16"
   # Expected about 40 s of tests, then steps of about 2 s (ours), 18 s (TRL's) and 7 s (the plain sampler).
-  SIZES=(--model qwen2.5-0.5b-random --device cuda --dtype bfloat16 --prompts 64 --group 8 --prompt-len 128
+  SIZES=(--model qwen2.5-0.5b-random --device cuda --dtype bfloat16 --prompts-per-step 64 --group-size 8 --prompt-len 128
          --max-new-tokens 256 --beta 0.04 --warmup 1)
-  FIT_SIZES=(--model qwen2.5-1.5b-random --device cuda --dtype bfloat16 --prompts 16 --group 8 --prompt-len 128
+  FIT_SIZES=(--model qwen2.5-1.5b-random --device cuda --dtype bfloat16 --prompts-per-step 16 --group-size 8 --prompt-len 128
              --max-new-tokens 256 --beta 0.04 --micro-batch 32 --warmup 1)
   BUDGET=470
 fi

@@ -3,7 +3,7 @@
     python -m integrations.trl_grpo --offpolicy-steps 4 --output_dir runs/trl   # built-in tiny policy, arithmetic, CPU
     torchrun --nproc_per_node 2 -m integrations.trl_grpo --offpolicy-steps 4 --max_steps 8 --output_dir runs/trl2
     accelerate launch --num_processes 8 -m integrations.trl_grpo --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k ...
-    python -m benchmarks.bench --trl-subclass --prompts 8 --group 8    # v = 4 against v = 1 against stock TRL
+    python -m benchmarks.bench --trl-subclass --prompts-per-step 8 --group-size 8  # v = 4, v = 1 and stock TRL
 
 v (offpolicy_steps) is TRL's generation period: steps_per_generation = v * gradient_accumulation_steps (GA), so TRL
 generates one batch for v optimizer steps (generation_batch_size = per_device_train_batch_size * processes * v * GA

@@ -139,7 +139,8 @@ def test_curves_of_a_run_without_a_clip_draw_without_warnings(tmp_path):
 def test_bench_trl_subclass_honours_steps_and_warmup_and_leaves_no_folder(tmp_path):
     needs("trl", "trl")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    sizes = ["--prompts", "2", "--group", "2", "--prompt-len", "4", "--max-new-tokens", "2", "--threads", "1"]
+    sizes = ["--prompts-per-step", "2", "--group-size", "2", "--prompt-len", "4", "--max-new-tokens", "2"]
+    sizes += ["--threads", "1"]
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench", "--trl-subclass", *sizes, "--steps", "2", "--warmup", "0"],
         cwd=ROOT,
