@@ -1,6 +1,6 @@
 """Every knob of a training run: one dataclass with its defaults, and the CLI built from it.
 
-Each field's `help` becomes its `--flag`'s help text (`python train.py --help`, grouped as HELP_GROUPS says); a
+Each field's `help` becomes its `--flag`'s help text (`python train.py --help`, grouped by the dataclass's sections); a
 field `foo_bar` is the flag `--foo-bar`. Booleans that default to True get a `--no-...` flag. `validate` checks the
 values that cannot work before any model is loaded, with a one-line error naming the flag.
 
@@ -10,6 +10,7 @@ exceptions). Paths are stored absolute, so a resume from another working directo
 """
 
 import argparse
+import inspect
 import json
 import math
 import re
@@ -230,75 +231,19 @@ class Config:
 
 
 # The sections of --help, each a list of Config fields in the order shown (every field in exactly one).
-HELP_GROUPS = {
-    "model and data": ["model", "task", "data_files", "eval_files", "trust_remote_code", "warmup_steps", "cache_dir"],
-    "sampling": [
-        "steps",
-        "prompts_per_step",
-        "group_size",
-        "max_new_tokens",
-        "temperature",
-        "top_k",
-        "top_p",
-        "min_p",
-        "offpolicy_steps",
-        "alpha_logp_from",
-        "sample_rows",
-        "sampling",
-    ],
-    "objective": [
-        "loss",
-        "clip_center",
-        "clip_eps",
-        "clip_eps_high",
-        "is_cap",
-        "is_mask",
-        "is_level",
-        "beta",
-        "kl_estimator",
-        "kl_importance_weight",
-        "ref_refresh",
-        "agg",
-        "tau_reg",
-        "mask_zero_std",
-        "asymre_shift",
-        "red",
-        "red_tau",
-        "reward_shuffle",
-    ],
-    "optimisation": [
-        "lr",
-        "weight_decay",
-        "max_grad_norm",
-        "inner_steps",
-        "micro_batch",
-        "gradient_checkpointing",
-        "param_dtype",
-        "lora_rank",
-        "lora_alpha",
-        "lora_targets",
-    ],
-    "run": [
-        "seed",
-        "device",
-        "dtype",
-        "eval_every",
-        "eval_size",
-        "eval_start",
-        "eval_samples",
-        "eval_temperature",
-        "eval_top_k",
-        "eval_top_p",
-        "eval_min_p",
-        "out",
-        "overwrite",
-        "resume",
-        "save_every",
-        "keep_checkpoints",
-        "progress",
-        "report_to",
-    ],
-}
+def help_groups() -> dict[str, list[str]]:
+    """--help's groups: the dataclass's own sections (its `# --- title ---` comments) and their fields, in order,
+    so that the CLI, docs/flags.md and the source share one taxonomy."""
+    groups, title = {}, None
+    for line in inspect.getsource(Config).splitlines():
+        if section := re.match(r"    # --- (.+?) -+$", line):
+            title = section.group(1)
+            groups[title] = []
+        elif field_line := re.match(r"    (\w+): ", line):
+            groups[title].append(field_line.group(1))
+    return groups
+
+
 # Flags that may differ from the run's own when it is resumed: how far to go, how it looks, and the memory knobs
 # an out-of-memory error names (the micro-batches' gradients add up to the batch's; sampling rows in more calls
 # changes which random numbers a row draws, not the distribution it draws from).
@@ -311,13 +256,14 @@ def flag_name(f) -> str:
 
 
 def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
-    """The CLI, built from Config: one section per HELP_GROUPS entry, each flag's allowed values and default once.
+    """The CLI, built from Config: a group per section of the dataclass (`help_groups`), each flag's allowed values
+    and default once.
     With suppress_defaults, the parsed namespace holds only the flags given (what --resume compares)."""
     p = argparse.ArgumentParser(
         usage="python train.py [flags]   (e.g. --offpolicy-steps 4; --resume --out RUN continues a run)",
         description="On- and off-policy GRPO on one device. docs/flags.md explains each group.",
     )
-    for title, names in HELP_GROUPS.items():
+    for title, names in help_groups().items():
         add_flags(p.add_argument_group(title), names, suppress_defaults=suppress_defaults)
     return p
 

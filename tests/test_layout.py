@@ -221,3 +221,17 @@ def test_the_reading_order_check_sees_a_wrong_size(monkeypatch, tmp_path):
     monkeypatch.setattr(conftest, "ROOT", tmp_path)
     with pytest.raises(AssertionError, match="lines, the README says"):
         test_the_reading_order_names_functions_that_exist_at_the_stated_size_and_line()
+
+
+def test_the_help_groups_are_the_dataclass_sections_and_cover_every_flag():
+    # One taxonomy: --help's groups are config.py's `# --- title ---` sections, docs/flags.md's headings the same.
+    import re
+    from dataclasses import fields
+
+    from config import Config, help_groups
+
+    groups = help_groups()
+    assert [n for names in groups.values() for n in names] == [f.name for f in fields(Config)]  # each once, in order
+    headings = re.findall(r"^## (.+)$", (ROOT / "docs" / "flags.md").read_text(), flags=re.M)
+    first_word = lambda title: title.lower().removeprefix("the ").split()[0].strip(",")  # noqa: E731
+    assert [first_word(t) for t in groups] == [first_word(h) for h in headings], (list(groups), headings)
