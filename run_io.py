@@ -25,7 +25,9 @@ import fcntl
 import json
 import os
 import resource
+import secrets
 import shutil
+import string
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -219,7 +221,7 @@ class RunWriter:
         split and step, with wandb as a table."""
         if not rows or self._completions is None:
             return
-        data = "".join(json.dumps(r, default=str) + "\n" for r in rows).encode()
+        data = "".join(json.dumps(rounded(r), default=str) + "\n" for r in rows).encode()
         while data:  # a write to a regular file writes it all; the loop only guards against a short write
             data = data[self._completions.write(data) :]
         step, split = max(rows[0]["step"], 0), rows[0]["split"]
@@ -308,6 +310,15 @@ class RunWriter:
         self._lock.close()
 
 
+def rounded(value):
+    """Floats to 6 decimals (metrics.jsonl's rounding), inside dicts too: a float32 reward 0.975 reads 0.975."""
+    if isinstance(value, float):
+        return round(value, 6)
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    return value
+
+
 def read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
@@ -327,7 +338,7 @@ def start_wandb(cfg: Config, out: Path, run_id: str | None):
     return wandb.init(
         project=os.environ.get("WANDB_PROJECT", "offpolicy-grpo"),
         name=out.name,
-        id=run_id or wandb.util.generate_id(),
+        id=run_id or "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8)),
         resume="allow",
         dir=str(out),
         config=asdict(cfg),

@@ -311,7 +311,13 @@ def read_dataset(name: str, config: str | None, split: str, flag: str):
                 raise TaskError(f"{where}: unknown file type {path.suffix!r}; use {', '.join(DATA_SUFFIXES)}")
             if path.stat().st_size == 0:
                 raise TaskError(f"{where}: file has no rows")
-            return datasets.load_dataset(builder, data_files=str(path), split="train")
+            bars = datasets.is_progress_bar_enabled()
+            datasets.disable_progress_bars()  # a local file's "Generating train split" bars are noise
+            try:
+                return datasets.load_dataset(builder, data_files=str(path), split="train")
+            finally:
+                if bars:
+                    datasets.enable_progress_bars()
         if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
             ds = datasets.load_from_disk(str(path))  # a folder written by save_to_disk
             if isinstance(ds, datasets.DatasetDict):

@@ -230,6 +230,11 @@ def evaluation(
     return out
 
 
+def measure(cfg: Config) -> str:
+    """What eval_accuracy measures: the accuracy with the built-in verifier, else the mean weighted reward."""
+    return "accuracy" if cfg.reward == ["math"] else "reward"
+
+
 def pass1_words(metrics: dict, k: int) -> str:
     """The log's words for eval_pass1, when it was measured."""
     return f"; pass@1 over {k} samples: {metrics['eval_pass1']:.3f}" if "eval_pass1" in metrics else ""
@@ -378,6 +383,8 @@ def setup(cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: lis
     # The built-in tiny policy (tiny.py) or any transformers causal LM; an unloadable one is a ConfigError.
     policy, tokenizer = load_policy(cfg, log=writer.log)
     context = getattr(policy.config, "max_position_embeddings", None)
+    if context and context <= cfg.max_new_tokens:
+        raise ConfigError(f"--max-new-tokens {cfg.max_new_tokens} leaves no room for a prompt in {context} tokens")
     if context:
         # Prompts that leave no room for max_new_tokens are skipped, with a count.
         train_set, dropped = fit_context(tokenizer, train_set, context - cfg.max_new_tokens, "training")
@@ -589,7 +596,7 @@ def run(
         )
     if start:
         acc, pass1 = start["eval_accuracy"], pass1_words(start, cfg.eval_samples)
-        writer.log(f"held-out greedy accuracy before training: {acc:.3f} ({len(heldout)} problems){pass1}")
+        writer.log(f"held-out greedy {measure(cfg)} before training: {acc:.3f} ({len(heldout)} problems){pass1}")
     # The bar counts from the resumed step, so its rate and time left are those of the remaining steps.
     bar_kw = dict(desc="grpo", dynamic_ncols=True, disable=not cfg.progress, initial=start_step, total=cfg.steps)
     bar = tqdm(range(start_step, cfg.steps), **bar_kw)
@@ -635,7 +642,8 @@ def run(
     summary.update(steps=cfg.steps, wall_s=time.time() - t0, eval_size=len(heldout), out=str(writer.out))
     acc_start, acc_end = start.get("eval_accuracy"), end["eval_accuracy"]
     gain = "start not evaluated" if acc_start is None else f"start {acc_start:.3f}, {acc_end - acc_start:+.3f}"
-    writer.log(f"held-out greedy accuracy after training:  {acc_end:.3f} ({gain}){pass1_words(end, cfg.eval_samples)}")
+    pass1 = pass1_words(end, cfg.eval_samples)
+    writer.log(f"held-out greedy {measure(cfg)} after training:  {acc_end:.3f} ({gain}){pass1}")
     with signals_wait():
         writer.finish(models.policy, tokenizer, summary)
     return summary
