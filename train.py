@@ -378,6 +378,36 @@ def verifier(tokenizer, problems: list[Problem], group_size: int, reward=math_re
     return reward_fn
 
 
+class Draw:
+    """The loop's `draw(n, start)`: the next n steps' prompts, in stream order, each with its scorer (a refresh
+    samples them all at once). `scored` keeps each step's Scores (its reward functions' figures) until its
+    metrics row is written; a checkpoint holds those of its unfinished cycle."""
+
+    def __init__(self, cfg: Config, tokenizer, stream: PromptStream, rewards: Rewards, device):
+        self.cfg, self.tokenizer, self.stream, self.rewards, self.device = cfg, tokenizer, stream, rewards, device
+        self.scored: dict[int, Scores] = {}
+
+    def __call__(self, n: int, start: int) -> list:
+        batches = [self.stream.next(self.cfg.prompts_per_step) for _ in range(n)]
+        state = RewardState(start, self.cfg.steps, self.stream.position / len(self.stream.problems))
+        return [
+            (*encode_prompts(self.tokenizer, b, self.device), self.scorer(b, start + j, state))
+            for j, b in enumerate(batches)
+        ]
+
+    def scorer(self, problems: list[Problem], k: int, state: RewardState):
+        """Rollout -> (N,) rewards of step k's batch: the reward functions on its decoded completions."""
+        rows = [p for p in problems for _ in range(self.cfg.group_size)]  # group-major, as the rollout's rows
+
+        def reward_fn(ro: Rollout) -> torch.Tensor:
+            ids = torch.where(ro.completion_mask.bool(), ro.completion_ids, self.tokenizer.pad_token_id)  # (N, T)
+            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            self.scored[k] = score_rows(self.rewards, rows, texts, ro, state)
+            return self.scored[k].total.to(ro.completion_ids.device)
+
+        return reward_fn
+
+
 def setup(cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: list[Problem]):
     """The policy, its frozen copies and optimizer, the tokenizer, and the prompts that fit its context."""
     # The built-in tiny policy (tiny.py) or any transformers causal LM; an unloadable one is a ConfigError.
@@ -562,31 +592,13 @@ def run(
     )
     writer.log(f"sampling path: {sampling_path(models.policy, cfg.fast)}; the policy samples {sampler}")
     stream = PromptStream(train_set, cfg.seed)
-    scored = {}  # step -> the reward functions' Scores of its batch, until its metrics row is written
-
-    def draw(n: int, start: int) -> list:
-        """The next n steps' prompts, in stream order, each with its scorer (a refresh samples them all)."""
-        batches = [stream.next(cfg.prompts_per_step) for _ in range(n)]
-        state = RewardState(start, cfg.steps, stream.position / len(train_set))
-        return [(*encode_prompts(tokenizer, b, device), scorer(b, start + j, state)) for j, b in enumerate(batches)]
-
-    def scorer(problems: list[Problem], k: int, state: RewardState):
-        """Rollout -> (N,) rewards of step k's batch: the reward functions on its decoded completions."""
-        rows = [p for p in problems for _ in range(cfg.group_size)]  # group-major, as the rollout's rows
-
-        def reward_fn(ro: Rollout) -> torch.Tensor:
-            ids = torch.where(ro.completion_mask.bool(), ro.completion_ids, tokenizer.pad_token_id)  # (N, T)
-            scored[k] = score_rows(rewards, rows, tokenizer.batch_decode(ids, skip_special_tokens=True), ro, state)
-            return scored[k].total.to(ro.completion_ids.device)
-
-        return reward_fn
+    draw = Draw(cfg, tokenizer, stream, rewards, device)  # the prompts of a refresh's steps, and their scorers
 
     # ---- resume, or evaluate the starting policy ----
     # A resumed run keeps its wall clock and its start's held-out metrics, so its summary reads like one run's.
     start_step, wall_before, cycle = 0, 0.0, None
     if cfg.resume:
-        start_step, start, wall_before, cycle, restored = restore(cfg, models, gen, stream, writer)
-        scored.update(restored)
+        start_step, start, wall_before, cycle, draw.scored = restore(cfg, models, gen, stream, writer)
     t0 = time.time() - wall_before
     if not cfg.resume:
         # Evaluation draws no random numbers from the sampler's generator: skipping it (--no-eval-start) leaves the
@@ -617,7 +629,7 @@ def run(
             continue
         # Bookkeeping: the metrics row, held-out accuracy every --eval-every steps, the divergence guard.
         row = metrics_row(step, res, cfg.group_size, time.time() - t0, time.time() - t_step, device)
-        scores = scored.pop(step, None)
+        scores = draw.scored.pop(step, None)
         row.update(lr=lr_at(cfg, step), **reward_metrics(scores, rewards.names))
         if cfg.log_completions:
             writer.completions(logged_rows(cfg, tokenizer, step, res, scores, rewards.names))
@@ -631,7 +643,7 @@ def run(
         # No checkpoint of a non-finite step, nor of weights that are not finite: the newest one stays a good one.
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step not in nonfinite:
             check_finite_weights(models.policy, f"step {step}")
-            state = checkpoint_state(models, gen, stream, cycle, step + 1, start, time.time() - t0, scored)
+            state = checkpoint_state(models, gen, stream, cycle, step + 1, start, time.time() - t0, draw.scored)
             with signals_wait():
                 save_checkpoint(cfg.out, state, step + 1, cfg.keep_checkpoints)
 
