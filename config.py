@@ -28,8 +28,9 @@ class ConfigError(ValueError):
     """A flag value that cannot work; train.py prints it as one line and exits with status 2."""
 
 
-def arg(default, help: str, choices=None):
-    return field(default=default, metadata={"help": help, "choices": choices})
+def arg(default, help: str, choices=None, many: str | None = None):
+    """A Config field; `many`: "append" (a repeatable flag, one value each) or "+" (one flag, several values)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "many": many})
 
 
 @dataclass
@@ -53,11 +54,38 @@ class Config:
         "(or 'solution', its last \\boxed{} the answer) for --task math",
     )
     eval_files: str | None = arg(
-        None, "local JSONL of held-out rows (default: the first --eval-size rows of --data-files)"
+        None,
+        "held-out rows: a local JSONL for --task gsm8k / math, a file of --dataset's kind for --dataset (default: "
+        "the first --eval-size rows of the training data)",
     )
+    dataset: str | None = arg(
+        None,
+        "your own data instead of --task: a hub name, a local .jsonl/.json/.csv/.parquet file, or a folder written "
+        "by Dataset.save_to_disk (docs/your-own-task.md)",
+    )
+    dataset_config: str | None = arg(None, "the hub data set's configuration (e.g. main for openai/gsm8k)")
+    split: str = arg("train", "the split of --dataset (a hub name or a folder) to train on")
+    eval_split: str | None = arg(None, "a split of --dataset to hold out (default: its first --eval-size rows)")
+    prompt_field: str = arg("prompt", "the --dataset column holding the prompt: text, or a list of {role, content}")
+    answer_field: str = arg("answer", "the --dataset column holding the gold answer the built-in verifier reads")
     trust_remote_code: bool = arg(
         False, "allow a hub model's own Python code to run (off: only built-in architectures)"
     )
+    # --- prompts and rewards (step 3) -----------------------------------------------------------
+    reward: list[str] | None = arg(
+        None,
+        "a reward function, repeatable: math (the built-in verifier; the default), math-symbolic, "
+        "path/to/file.py:function or module:function, called as TRL calls one (rewards.py)",
+        many="append",
+    )
+    reward_weights: list[float] | None = arg(
+        None, "one weight per --reward (default: 1 each); the reward is their weighted sum", many="+"
+    )
+    system_prompt: str | None = arg(None, "a system message before each prompt ('' for an empty one)")
+    instruction: str | None = arg(
+        None, "text after the question, replacing the task's ({question} in it stands for the question)"
+    )
+    chat_template: bool = arg(True, "--no-chat-template: the raw prompt text even if the tokenizer has a template")
     # --- sampling (steps 1-2) -----------------------------------------------------------------
     steps: int = arg(400, "training steps")
     prompts_per_step: int = arg(16, "B, prompts per step")
@@ -147,6 +175,12 @@ class Config:
     tau_reg: float = arg(0.1, "OPMD's regulariser, (tau_reg / 2) * (log pi_theta - log alpha)^2")
     # --- optimisation ---------------------------------------------------------------------
     lr: float = arg(5e-5, "AdamW learning rate (the studies in results/ compare 5e-5 and 1e-4 on the built-in task)")
+    lr_scheduler: str = arg(
+        "constant",
+        "the learning rate over the --steps: constant, linear or cosine to 0 (TRL's)",
+        ["constant", "linear", "cosine"],
+    )
+    warmup_ratio: float = arg(0.0, "the first ceil(ratio x --steps) steps ramp the learning rate up from 0 (TRL's)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clipping")
     inner_steps: int = arg(1, "optimizer steps on each batch ([A]'s i); > 1 reuses samples")
@@ -197,8 +231,11 @@ class Config:
     progress: bool = arg(True, "the tqdm progress bar (--no-progress hides it)")
     report_to: str = arg(
         "none",
-        "also log every metric to: none, or tensorboard (optional extra; event files in --out/tensorboard)",
-        ["none", "tensorboard"],
+        "also log every metric to: none, tensorboard (event files in --out/tensorboard), wandb, or both "
+        "(tensorboard,wandb); each an optional extra",
+    )
+    log_completions: int = arg(
+        0, "write N sampled completions a step, and the held-out ones, to --out/completions.jsonl (0 = none)"
     )
     # --- checkpoints ------------------------------------------------------------------------
     save_every: int = arg(0, "write a checkpoint every this many steps into --out/checkpoints (0 = never)")
@@ -230,7 +267,6 @@ class Config:
         return torch.bfloat16 if self.dtype == "bfloat16" else None
 
 
-# The sections of --help, each a list of Config fields in the order shown (every field in exactly one).
 def help_groups() -> dict[str, list[str]]:
     """--help's groups: the dataclass's own sections (its `# --- title ---` comments) and their fields, in order,
     so that the CLI, docs/flags.md and the source share one taxonomy."""
@@ -247,7 +283,17 @@ def help_groups() -> dict[str, list[str]]:
 # Flags that may differ from the run's own when it is resumed: how far to go, how it looks, and the memory knobs
 # an out-of-memory error names (the micro-batches' gradients add up to the batch's; sampling rows in more calls
 # changes which random numbers a row draws, not the distribution it draws from).
-RESUME_MAY_CHANGE = ("steps", "progress", "resume", "micro_batch", "sample_rows", "gradient_checkpointing")
+RESUME_MAY_CHANGE = (
+    "steps",
+    "progress",
+    "resume",
+    "micro_batch",
+    "sample_rows",
+    "gradient_checkpointing",
+    "report_to",
+    "log_completions",
+)
+REPORT_TO = ("tensorboard", "wandb")
 
 
 def flag_name(f) -> str:
@@ -286,7 +332,9 @@ def add_flags(parser, names, defaults: dict | None = None, suppress_defaults: bo
             help_ += f" (default: {value})"
         kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
         metavar = "{" + ",".join(choices) + "}" if choices else {int: "N", float: "X", str: "TEXT"}[kind]
-        parser.add_argument(flag_name(f), dest=f.name, type=kind, default=default, help=help_, metavar=metavar)
+        many = {"append": dict(action="append"), "+": dict(nargs="+")}.get(f.metadata["many"], {})
+        kw = dict(dest=f.name, type=kind, default=default, help=help_, metavar=metavar)
+        parser.add_argument(flag_name(f), **kw, **many)
 
 
 NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
@@ -296,8 +344,9 @@ def join_negative_values(argv: list[str]) -> list[str]:
     """`--lr -1e-5` as `--lr=-1e-5`: argparse takes a value that starts with '-' for a flag unless it looks like a
     plain negative number, so `-1e-5` would read as an unknown flag ("expected one argument")."""
     out = []
+    several = {flag_name(f) for f in fields(Config) if f.metadata["many"] == "+"}  # `--reward-weights -1 0.5`
     for a in argv:
-        if out and out[-1].startswith("--") and "=" not in out[-1] and NUMBER.match(a):
+        if out and out[-1].startswith("--") and "=" not in out[-1] and out[-1] not in several and NUMBER.match(a):
             out[-1] = f"{out[-1]}={a}"
         else:
             out.append(a)
@@ -332,7 +381,8 @@ def config_from_args(args: argparse.Namespace, given: set[str] | None = None) ->
     changed = [
         f"{flag_name(f)} {getattr(args, f.name)} (the run has {getattr(cfg, f.name)})"
         for f in fields(Config)
-        if f.name in (given or set()) - {"out", *RESUME_MAY_CHANGE} and getattr(args, f.name) != getattr(cfg, f.name)
+        if f.name in (given or set()) - {"out", *RESUME_MAY_CHANGE}
+        and normalised(f.name, getattr(args, f.name)) != normalised(f.name, getattr(cfg, f.name))
     ]
     if changed:
         raise ConfigError(f"--resume continues the run as it was configured; these differ: {'; '.join(changed)}")
@@ -347,10 +397,35 @@ def absolute(path: str | None) -> str | None:
     return None if path is None else str(Path(path).expanduser().absolute())
 
 
+def absolute_spec(spec: str) -> str:
+    """A --reward SPEC whose file path is made absolute (rewards.py's rule for a file: `.py` or a `/` before the
+    last `:`); a built-in name or module:function stays as it is."""
+    where, colon, name = spec.rpartition(":")
+    if colon and (where.endswith(".py") or "/" in where):
+        return f"{absolute(where)}:{name}"
+    return spec
+
+
+def local_or_hub(name: str | None) -> str | None:
+    """--dataset (and --model): a local path made absolute, a hub name as it is."""
+    return absolute(name) if name is not None and Path(name).expanduser().exists() else name
+
+
+def normalised(name: str, value):
+    """A flag's value as resolve() stores it, so that --resume compares like with like."""
+    if name in ("data_files", "eval_files", "cache_dir", "out"):
+        return absolute(value)
+    if name == "reward":
+        return [absolute_spec(s) for s in value] if value else ["math"]
+    if name in ("dataset", "model") and value != "tiny":
+        return local_or_hub(value)
+    return value
+
+
 def resolve(cfg: Config) -> Config:
     """Fill in the defaults that depend on other fields or on the machine; make the paths absolute."""
     if cfg.max_new_tokens is None:
-        cfg.max_new_tokens = {"arithmetic": 8, "math": 1024}.get(cfg.task, 512)
+        cfg.max_new_tokens = 512 if cfg.dataset else {"arithmetic": 8, "math": 1024}.get(cfg.task, 512)
     if cfg.device == "auto":
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
     if cfg.dtype == "auto":
@@ -359,6 +434,8 @@ def resolve(cfg: Config) -> Config:
         cfg.out = time.strftime("runs/%Y%m%d-%H%M%S")
     cfg.out, cfg.cache_dir = absolute(cfg.out), absolute(cfg.cache_dir)
     cfg.data_files, cfg.eval_files = absolute(cfg.data_files), absolute(cfg.eval_files)
+    cfg.reward = [absolute_spec(s) for s in cfg.reward] if cfg.reward else ["math"]
+    cfg.dataset = local_or_hub(cfg.dataset)
     if cfg.model != "tiny" and Path(cfg.model).expanduser().exists():  # a local folder or file, not a hub id
         cfg.model = absolute(cfg.model)
     return cfg
@@ -404,6 +481,8 @@ def validate(cfg: Config) -> None:
         (cfg.sample_rows >= 1, "--sample-rows must be >= 1"),
         (cfg.lora_rank >= 0, "--lora-rank must be >= 0 (0 = full fine-tuning)"),
         (cfg.lora_alpha > 0, "--lora-alpha must be > 0"),
+        (0 <= cfg.warmup_ratio < 1, "--warmup-ratio must be in [0, 1)"),
+        (cfg.log_completions >= 0, "--log-completions must be >= 0 (0 = none)"),
         (
             not (cfg.lora_rank and cfg.ref_refresh),
             "--ref-refresh needs full fine-tuning (with LoRA pi_ref is the base)",
@@ -444,6 +523,10 @@ def validate(cfg: Config) -> None:
         ("lora_alpha", cfg.lora_rank == 0, "--lora-alpha scales a LoRA adapter (--lora-rank > 0)"),
         ("lora_targets", cfg.lora_rank == 0, "--lora-targets names a LoRA adapter's modules (--lora-rank > 0)"),
         *[
+            (name, cfg.dataset is None, f"--{name.replace('_', '-')} reads a data set of your own (--dataset)")
+            for name in ("dataset_config", "split", "eval_split", "prompt_field", "answer_field")
+        ],
+        *[
             (name, cfg.eval_samples == 0, f"--{name.replace('_', '-')} sets the k samples of --eval-samples k > 0")
             for name in ("eval_temperature", "eval_top_k", "eval_top_p", "eval_min_p")
         ],
@@ -457,7 +540,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"--device {cfg.device}: unknown device; use auto, cpu, cuda or cuda:N")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--device {cfg.device}: CUDA is not available on this machine")
-    if cfg.task not in ("gsm8k", "math") and (cfg.data_files or cfg.eval_files):
+    validate_data_and_rewards(cfg, changed)
+    if cfg.task not in ("gsm8k", "math") and (cfg.data_files or (cfg.eval_files and not cfg.dataset)):
         raise ConfigError(
             f"--data-files / --eval-files are read by --task gsm8k and math; --task {cfg.task} is built in"
         )
@@ -469,4 +553,40 @@ def validate(cfg: Config) -> None:
         except ImportError:
             raise ConfigError(
                 "--task math scores answers with math-verify, an optional extra: pip install -e '.[math]'"
+            ) from None
+
+
+def validate_data_and_rewards(cfg: Config, changed: set[str]) -> None:
+    """--dataset and its flags, --reward and its weights, --report-to (docs/your-own-task.md)."""
+    if cfg.dataset is not None:
+        if "task" in changed or cfg.data_files:
+            raise ConfigError("--dataset replaces --task and --data-files: give the one or the others")
+        local = Path(cfg.dataset).expanduser().is_file()
+        if local and ("split" in changed or cfg.eval_split):
+            raise ConfigError(
+                f"--split / --eval-split name splits of a hub data set or a folder; {cfg.dataset} is one file "
+                "(held-out rows: --eval-files, or its first --eval-size rows)"
+            )
+        if cfg.eval_split and cfg.eval_files:
+            raise ConfigError("--eval-split and --eval-files both name the held-out rows: give one")
+    if cfg.reward_weights is not None:
+        if len(cfg.reward_weights) != len(cfg.reward):
+            raise ConfigError(
+                f"--reward-weights: {len(cfg.reward_weights)} weights for {len(cfg.reward)} rewards "
+                f"({', '.join(cfg.reward)}); give one each"
+            )
+        if not all(math.isfinite(w) for w in cfg.reward_weights):
+            raise ConfigError(f"--reward-weights {cfg.reward_weights}: each must be a finite number")
+    targets = [t for t in cfg.report_to.split(",") if t] if cfg.report_to != "none" else []
+    unknown = [t for t in targets if t not in REPORT_TO]
+    if unknown or not (targets or cfg.report_to == "none"):
+        raise ConfigError(
+            f"--report-to: unknown value {cfg.report_to!r}; choose none, tensorboard, wandb or tensorboard,wandb"
+        )
+    if "math-symbolic" in cfg.reward:
+        try:
+            import math_verify  # noqa: F401  (its presence only; reward.py imports it to score)
+        except ImportError:
+            raise ConfigError(
+                "--reward math-symbolic scores answers with math-verify, an optional extra: pip install -e '.[math]'"
             ) from None

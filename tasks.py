@@ -25,13 +25,27 @@ answer (`\\frac{\\sqrt{3}}{3}`, `(-\\infty, 2]`), scored by `math_verifier.symbo
 prompt asks for the final answer in `\\boxed{}` (MATH_INSTRUCTION). Held-out problems come from `--eval-files`,
 else the file's first `eval_size` rows.
 
-Prompts use the tokenizer's chat template when it has one and ask for the final answer after
-`####` (in `\\boxed{}` for math); the built-in tiny tokenizer has no template and sees the bare expression.
+`--dataset NAME_OR_PATH` (`load_dataset_problems`): your own data, read with `datasets` as TRL reads it: a hub
+name (`openai/gsm8k` with `--dataset-config main`, `HuggingFaceH4/MATH-500`; `--split`, `--eval-split`), a local
+`.jsonl` / `.json` / `.csv` / `.parquet` file, or a folder written by `Dataset.save_to_disk`. `--prompt-field`
+names the prompt column (TRL's `prompt` by default), text or TRL's conversational format (a list of `{role,
+content}` messages); `--answer-field` names the gold (`answer` by default; needed only by the built-in verifier),
+free-form: `#### 7` (GSM8K), `\\boxed{7}` or a plain `7`, `\\frac{1}{2}` (`gold_answer`). Every other column is
+handed to the reward functions (rewards.py) as it is. Held-out rows: `--eval-split`, else `--eval-files`, else
+the first `eval_size` rows. A bad file, row or field is a TaskError naming it.
+
+Prompts (`render_prompt`) use the tokenizer's chat template when it has one: a user message holding the question
+and an instruction asking for the final answer after `####` (in `\\boxed{}` for math; a data set of your own has
+none unless `--instruction` gives one), after `--system-prompt` when given. Without a template (the built-in tiny
+tokenizer has none) or with `--no-chat-template` (a base model), the prompt is raw text: the system prompt and a
+blank line when given, then the question, then `--instruction` when given (the tasks' own instructions are for
+chat models); the tiny policy sees the bare expression.
 """
 
+import dataclasses
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -51,10 +65,33 @@ class TaskError(ValueError):
 
 
 @dataclass(frozen=True)
+class Prompting:
+    """How prompts are written (`render_prompt`): --system-prompt, --instruction, --no-chat-template."""
+
+    system: str | None = None  # a system message (raw text: a first paragraph); None: none (the template's own)
+    instruction: str | None = None  # replaces the task's instruction; "{question}" in it stands for the question
+    chat_template: bool = True  # False: raw text even where the tokenizer has a chat template (a base model)
+
+
+@dataclass(frozen=True)
 class Problem:
-    question: str
-    gold: str
-    instruction: str = INSTRUCTION  # what a chat prompt asks for after the question (format_prompt)
+    question: str  # the prompt's text (of a conversation: its last user message)
+    gold: str  # the gold answer as the built-in verifier reads it ("" when the data set has none)
+    instruction: str = INSTRUCTION  # what a chat prompt asks for after the question (render_prompt)
+    # A conversational prompt as the data set holds it (TRL's format: [{"role": ..., "content": ...}, ...]).
+    messages: list | None = field(default=None, compare=False)
+    # The row's other fields, as the reward functions get them (rewards.py); None: {"answer": gold}.
+    columns: dict | None = field(default=None, compare=False)
+    prompting: Prompting = field(default=Prompting(), compare=False)
+
+    @property
+    def prompt(self):
+        """The prompt as the data set holds it, what a reward function gets as `prompts[i]` (TRL's convention)."""
+        return self.messages if self.messages is not None else self.question
+
+    @property
+    def reward_columns(self) -> dict:
+        return self.columns if self.columns is not None else {"answer": self.gold}
 
 
 def arithmetic_problems() -> tuple[list[Problem], list[Problem]]:
@@ -234,15 +271,187 @@ def _hub_gsm8k(split: str) -> list[Problem]:
         first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise TaskError(
             f"--task gsm8k: the hub dataset openai/gsm8k cannot be loaded ({first}); "
-            "pass a local JSONL with --data-files (e.g. ../shared/data/gsm8k/train.jsonl)"
+            "pass a local JSONL of its 'question'/'answer' rows with --data-files (e.g. gsm8k/train.jsonl)"
         ) from None
     return [Problem(r["question"], g) for r in ds if (g := gold_from_solution(r["answer"])) is not None]
 
 
-def load_task(
-    task: str, data_files: str | None = None, eval_files: str | None = None, eval_size: int = 500
+def gold_answer(answer) -> str:
+    """A free-form gold as the built-in verifier reads it: the text after GSM8K's last `####`, the last
+    `\\boxed{}`, else the answer itself, stripped (`7`, `\\frac{1}{2}`, `(3, \\pi)`). A number (a CSV's `7`) is its
+    text. The golds of the built-in tasks have neither mark, so they come back as they are."""
+    text = str(answer).strip()
+    if "####" in text or "\\boxed" in text:
+        return extract_answer(text) or ""
+    return text
+
+
+DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+ROLES = ("system", "user", "assistant")
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def read_dataset(name: str, config: str | None, split: str, flag: str):
+    """A `datasets.Dataset`: a local file by its suffix, a `save_to_disk` folder, or a hub name (any other folder is
+    given to `load_dataset` too, as TRL's users load theirs). One TaskError naming `flag` and the data set."""
+    import datasets  # only data sets of one's own need it
+
+    path = Path(name).expanduser()
+    where = f"{flag} {name}"
+    if path.exists() and not path.is_dir() and not path.is_file():
+        raise TaskError(f"{where}: is a pipe or a device, not a file; save it to a file (--resume rereads it)")
+    try:
+        if path.is_file():
+            builder = DATA_SUFFIXES.get(path.suffix.lower())
+            if builder is None:
+                raise TaskError(f"{where}: unknown file type {path.suffix!r}; use {', '.join(DATA_SUFFIXES)}")
+            if path.stat().st_size == 0:
+                raise TaskError(f"{where}: file has no rows")
+            bars = datasets.is_progress_bar_enabled()
+            datasets.disable_progress_bars()  # a local file's "Generating train split" bars are noise
+            try:
+                return datasets.load_dataset(builder, data_files=str(path), split="train")
+            finally:
+                if bars:
+                    datasets.enable_progress_bars()
+        if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+            ds = datasets.load_from_disk(str(path))  # a folder written by save_to_disk
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise TaskError(f"{where}: no split {split!r} (it has {', '.join(ds)}); choose one with --split")
+                ds = ds[split]
+            return ds
+        return datasets.load_dataset(name, config, split=split)
+    except TaskError:
+        raise
+    except Exception as e:  # datasets and pyarrow raise many types; a bad JSONL line is named below if it is one
+        bad = bad_json_line(path) if path.is_file() and path.suffix.lower() in (".jsonl", ".json") else None
+        if bad:
+            raise TaskError(f"{path}:{bad}") from None
+        raise TaskError(f"{where}: cannot be loaded ({first_line(e)})") from None
+
+
+def bad_json_line(path: Path) -> str | None:
+    """'LINE: reason' for the first line of a JSON Lines file that is not one JSON object (None if all are)."""
+    data = path.read_bytes()
+    if data.lstrip()[:1] == b"[":
+        return None  # a JSON array: datasets reads those whole
+    for i, raw in enumerate(data.splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return f"{i}: not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})"
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            return f"{i}: not valid JSON ({e.msg})"
+        if not isinstance(row, dict):
+            return f"{i}: a row must be a JSON object"
+    return None
+
+
+def dataset_problems(
+    ds, where: str, prompt_field: str, answer_field: str, answer_required: bool, prompting: Prompting
+) -> list[Problem]:
+    """Problems from a `datasets.Dataset`'s rows; a missing or bad field is a TaskError naming `where`, the row
+    (1-based) and the field."""
+    fields = list(ds.column_names)
+    if prompt_field not in fields:
+        raise TaskError(
+            f"{where}: no field {prompt_field!r} (its fields: {', '.join(fields)}); name it with --prompt-field"
+        )
+    if answer_required and answer_field not in fields:
+        raise TaskError(
+            f"{where}: no field {answer_field!r} (its fields: {', '.join(fields)}), which the built-in verifier "
+            "(--reward math) reads; name it with --answer-field, or give rewards of your own"
+        )
+    problems = []
+    for i, row in enumerate(ds.to_list(), start=1):
+        prompt, messages = row[prompt_field], None
+        if isinstance(prompt, list):  # TRL's conversational format
+            ok = prompt and all(
+                isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in prompt
+            )
+            if not ok or not any(m["role"] == "user" for m in prompt):
+                raise TaskError(
+                    f"{where}: row {i}: field {prompt_field!r} must be text or a list of messages "
+                    "{'role': system/user/assistant, 'content': text} with a user message"
+                )
+            if not prompting.chat_template:
+                raise TaskError(
+                    f"{where}: row {i}: field {prompt_field!r} is a conversation; --no-chat-template needs text"
+                )
+            messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+            prompt = next(m["content"] for m in reversed(messages) if m["role"] == "user")
+        elif not isinstance(prompt, str):
+            raise TaskError(f"{where}: row {i}: field {prompt_field!r} must be text, not {type(prompt).__name__}")
+        if not prompt.strip():
+            raise TaskError(f"{where}: row {i}: field {prompt_field!r} is empty")
+        gold = ""
+        if answer_field in row and row[answer_field] is not None:
+            answer = row[answer_field]
+            if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
+                raise TaskError(f"{where}: row {i}: field {answer_field!r} must be text or a number")
+            gold = gold_answer(answer)
+        if answer_required and not gold:
+            raise TaskError(f"{where}: row {i}: field {answer_field!r} is empty")
+        columns = {k: v for k, v in row.items() if k != prompt_field}
+        problems.append(Problem(prompt, gold, "", messages=messages, columns=columns, prompting=prompting))
+    if not problems:
+        raise TaskError(f"{where}: has no rows")
+    return problems
+
+
+def load_dataset_problems(
+    name: str,
+    *,
+    config: str | None = None,
+    split: str = "train",
+    eval_split: str | None = None,
+    eval_files: str | None = None,
+    eval_size: int = 500,
+    prompt_field: str = "prompt",
+    answer_field: str = "answer",
+    answer_required: bool = True,
+    prompting: Prompting = Prompting(),
 ) -> tuple[list[Problem], list[Problem]]:
-    """(train, held-out) problems for `task`; held-out is at most `eval_size` problems."""
+    """(train, held-out) problems of `--dataset` (module docstring); held-out: the rows of `eval_split`, else of
+    `eval_files`, else the first `eval_size` rows (then the training set is the rest); at most `eval_size`."""
+    fields = dict(prompt_field=prompt_field, answer_field=answer_field, answer_required=answer_required)
+    local = Path(name).expanduser().is_file()
+    where = str(Path(name).expanduser()) if local else f"{name} ({split})"
+    train = dataset_problems(read_dataset(name, config, split, "--dataset"), where, **fields, prompting=prompting)
+    if eval_split is not None:
+        ds = read_dataset(name, config, eval_split, "--eval-split")
+        heldout = dataset_problems(ds, f"{name} ({eval_split})", **fields, prompting=prompting)
+    elif eval_files is not None:
+        ds = read_dataset(eval_files, None, "train", "--eval-files")
+        heldout = dataset_problems(ds, str(Path(eval_files).expanduser()), **fields, prompting=prompting)
+    else:
+        if len(train) <= eval_size:
+            raise TaskError(
+                f"--dataset {name}: {len(train)} rows; the held-out rows are its first --eval-size={eval_size}, "
+                "so it needs more (or give --eval-size, --eval-split or --eval-files)"
+            )
+        train, heldout = train[eval_size:], train[:eval_size]
+    return train, heldout[:eval_size]
+
+
+def load_task(
+    task: str,
+    data_files: str | None = None,
+    eval_files: str | None = None,
+    eval_size: int = 500,
+    prompting: Prompting = Prompting(),
+) -> tuple[list[Problem], list[Problem]]:
+    """(train, held-out) problems for `task`; held-out is at most `eval_size` problems, each written as
+    `prompting` says."""
     if task == "arithmetic":
         train, heldout = arithmetic_problems()
     elif task == "wordproblems":
@@ -265,20 +474,72 @@ def load_task(
             train, heldout = _hub_gsm8k("train"), _hub_gsm8k("test")
     else:
         raise TaskError(f"--task: unknown task {task!r}; choose from {', '.join(TASKS)}")
+    if prompting != Prompting():
+        train, heldout = ([dataclasses.replace(p, prompting=prompting) for p in ps] for ps in (train, heldout))
     return train, heldout[:eval_size]
 
 
 def format_prompt(tokenizer, question: str, instruction: str = INSTRUCTION) -> str:
-    """The prompt text: the chat template with an instruction when the tokenizer has one."""
+    """The prompt text: the chat template with an instruction when the tokenizer has one, else the question."""
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": f"{question}\n{instruction}"}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return question
 
 
+def user_text(question: str, instruction: str) -> str:
+    """The user's message: the question, then the instruction on a line of its own; an instruction holding
+    `{question}` is the whole message, the question in its place."""
+    if "{question}" in instruction:
+        return instruction.replace("{question}", question)
+    return f"{question}\n{instruction}" if instruction else question
+
+
+def uses_chat_template(tokenizer, p: Problem) -> bool:
+    return p.prompting.chat_template and bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_prompt(tokenizer, p: Problem) -> str:
+    """The text the policy is prompted with (module docstring, "Prompts"): with the default Prompting exactly
+    `format_prompt(tokenizer, p.question, p.instruction)`."""
+    how = p.prompting
+    chat = uses_chat_template(tokenizer, p)
+    instruction = how.instruction if how.instruction is not None else (p.instruction if chat else "")
+    if not chat:
+        if p.messages is not None:
+            why = "--no-chat-template is set" if not how.chat_template else "the tokenizer has no chat template"
+            raise TaskError(f"a conversational prompt (a list of messages) needs a chat template, and {why}")
+        return (f"{how.system}\n\n" if how.system else "") + user_text(p.question, instruction)
+    messages = [dict(m) for m in p.messages] if p.messages is not None else [{"role": "user", "content": p.question}]
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    messages[last_user]["content"] = user_text(messages[last_user]["content"], instruction)
+    if how.system is not None:  # it replaces the conversation's own system message, if it has one
+        messages = [{"role": "system", "content": how.system}] + [m for m in messages if m["role"] != "system"]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def prompt_record(tokenizer, p: Problem) -> dict:
+    """What config.json records of the prompts (`prompt_format`, `prompt_template`, `prompt_example`): how the
+    first training prompt was written, and the template with `{question}` where each question goes."""
+    chat = uses_chat_template(tokenizer, p)
+    fmt = (
+        "chat template"
+        if chat
+        else (
+            "raw text (--no-chat-template)"
+            if getattr(tokenizer, "chat_template", None)
+            else "raw text (the tokenizer has no chat template)"
+        )
+    )
+    template = None
+    if p.messages is None:
+        template = render_prompt(tokenizer, dataclasses.replace(p, question="{question}"))
+    return {"prompt_format": fmt, "prompt_template": template, "prompt_example": render_prompt(tokenizer, p)}
+
+
 def encode_prompts(tokenizer, problems: list[Problem], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompt ids and mask, (B, P), on `device`."""
-    texts = [format_prompt(tokenizer, p.question, p.instruction) for p in problems]
+    texts = [render_prompt(tokenizer, p) for p in problems]
     old_side = tokenizer.padding_side
     tokenizer.padding_side = "left"  # every prompt ends at the same column
     batch = tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
@@ -291,7 +552,7 @@ def fit_context(tokenizer, problems: list[Problem], max_prompt_tokens: int, what
 
     An error if none is left: a run that cannot sample anything must not start.
     """
-    texts = [format_prompt(tokenizer, p.question, p.instruction) for p in problems]
+    texts = [render_prompt(tokenizer, p) for p in problems]
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     kept = [p for p, n in zip(problems, lengths) if n <= max_prompt_tokens]
     if not kept:

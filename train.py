@@ -3,7 +3,8 @@
     python train.py --offpolicy-steps 4
 
 The loop: each step k draws B prompts, runs `step.grpo_step` (steps 1-6 of [A]'s Algorithm 1:
-refresh the sampler every v steps, sample, reward with the verifier, advantages, log-probs, update),
+refresh the sampler every v steps, sample, reward with the reward functions of rewards.py (the built-in
+verifier by default), advantages, log-probs, update),
 then logs a metrics row, evaluates held-out accuracy every --eval-every steps, and checkpoints every
 --save-every steps. Bookkeeping lives in named functions below the loop's helpers: `setup`,
 `restore`, `checkpoint_state`, `metrics_row`.
@@ -12,7 +13,9 @@ Reading order: `train` and `run` at the bottom are the whole run top to bottom (
 evaluation, the loop, the end); each block is a few lines that call a named function above it. The algorithm itself
 is in step.py (`grpo_step`), objective.py and advantage.py; this file only feeds it prompts and keeps
 the books. Outputs (run_io.py): config.json, metrics.jsonl (one row per step, README "Metrics"),
-summary.json, final/ (save_pretrained), curves.png with matplotlib, checkpoints/ with --save-every.
+summary.json, final/ (save_pretrained), curves.png with matplotlib, checkpoints/ with --save-every,
+completions.jsonl with --log-completions. The learning rate of step k is `lr_at(cfg, k)`, a function of the step
+alone (--lr-scheduler, --warmup-ratio), so a resumed run needs no scheduler state.
 
 Deviations from [A]:
   1. Held-out accuracy is greedy (temperature 0), the usual way to report it; training samples
@@ -23,7 +26,9 @@ Deviations from [A]:
 """
 
 import contextlib
+import functools
 import json
+import math
 import random
 import signal
 import sys
@@ -49,10 +54,20 @@ from decoding import sampling_path
 from logprobs import Truncation
 from policy import load_policy
 from reward import math_reward
+from rewards import RewardError, Rewards, RewardState, Scores, load_rewards
 from rollout import Cycle, Rollout, generate
 from run_io import RunWriter, current_memory_gb, peak_memory_gb
 from step import Models, StepResult, autocast, grpo_step, make_models, sampler
-from tasks import Problem, TaskError, encode_prompts, fit_context, load_task
+from tasks import (
+    Problem,
+    Prompting,
+    TaskError,
+    encode_prompts,
+    fit_context,
+    load_dataset_problems,
+    load_task,
+    prompt_record,
+)
 
 
 class Diverged(Exception):
@@ -60,8 +75,9 @@ class Diverged(Exception):
     status 3, and its newest checkpoint on disk is a good one."""
 
 
-class Stopped(Exception):
-    """Ctrl-C (SIGINT) or SIGTERM: `main` prints one line, where the run stands and how to resume it."""
+class Stopped(BaseException):
+    """Ctrl-C (SIGINT) or SIGTERM: `main` prints one line, where the run stands and how to resume it. A
+    BaseException, as KeyboardInterrupt is: code that catches errors (a reward function's call) lets it through."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -131,12 +147,19 @@ def evaluate(
     generator: torch.Generator | None = None,
     batch_size: int = 256,
     sampler=None,
+    state: RewardState | None = None,
+    scores_out: list | None = None,
+    rows_out: list | None = None,
 ) -> float:
     """Held-out accuracy: the mean over problems of the mean reward of `samples` completions each ([A]'s "pass@1
-    over k samples"). The default, one greedy completion (temperature 0), is the usual held-out accuracy."""
+    over k samples"). The default, one greedy completion (temperature 0), is the usual held-out accuracy.
+
+    `reward`: (completion, gold) -> a float, or the run's Rewards (their weighted sum; `state` is their
+    trainer_state): then `scores_out` (a list) gets the Scores of all the completions, `rows_out` a dict per
+    completion (prompt, completion, reward, rewards)."""
     was_training = model.training
     model.eval()
-    correct = 0.0
+    correct, parts = 0.0, []
     # The same `generate` as training, so evaluation also exercises the sampling path the run uses.
     special = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     sampling = dict(temperature=temperature, truncation=truncation, generator=generator, sampler=sampler)
@@ -151,33 +174,73 @@ def evaluate(
         # Tokens after EOS are padding; the verifier reads the decoded text only. Rows are group-major.
         ids = torch.where(r.completion_mask.bool(), r.completion_ids, tokenizer.pad_token_id)  # (b * k, T)
         texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-        golds = [p.gold for p in chunk for _ in range(samples)]
-        correct += sum(reward(t, g) for t, g in zip(texts, golds)) / samples
+        if isinstance(reward, Rewards):
+            rows = [p for p in chunk for _ in range(samples)]
+            scores = score_rows(reward, rows, texts, r, state or RewardState(0, 0))
+            values = scores.total.tolist()
+            parts.append(scores)
+            if rows_out is not None:
+                rows_out += completion_rows(tokenizer, r, texts, scores, reward.names, range(len(rows)))
+        else:
+            golds = [p.gold for p in chunk for _ in range(samples)]
+            values = [reward(t, g) for t, g in zip(texts, golds)]
+        correct += sum(values) / samples
     model.train(was_training)
+    if scores_out is not None and parts:
+        scores_out.append(merge_scores(parts))
     return correct / max(len(problems), 1)
 
 
 EVAL_SEED = 0x5EED  # the k evaluation samples' generator: seed + this, the same at every evaluation of the run
 
 
-def evaluation(cfg: Config, model, tokenizer, heldout: list[Problem], device) -> dict:
-    """The held-out metrics: eval_accuracy (greedy) and, with --eval-samples k, eval_pass1 (the mean accuracy of k
-    samples per problem). The samples draw from a generator of their own, seeded afresh each time: the training
-    sampler's stream is untouched, and every evaluation of the run sees the same noise."""
-    reward = reward_of(cfg.task)
+def evaluation(
+    cfg: Config, model, tokenizer, heldout: list[Problem], device, rewards=None, at_step: int = -1, writer=None
+) -> dict:
+    """The held-out metrics: eval_accuracy (greedy: the mean reward, the accuracy with the built-in verifier) and,
+    with --eval-samples k, eval_pass1 (the mean accuracy of k samples per problem). The samples draw from a
+    generator of their own, seeded afresh each time: the training sampler's stream is untouched, and every
+    evaluation of the run sees the same noise. With rewards of one's own also each function's mean
+    (eval_rewards/NAME), eval_reward_none_frac and what they logged (eval_NAME); the greedy completions go to
+    completions.jsonl with --log-completions (`at_step`: the steps done, less one)."""
+    reward = rewards or run_rewards(cfg)
+    scores, rows = [], [] if writer is not None and cfg.log_completions else None
+    kw = dict(state=RewardState(at_step + 1, cfg.steps), scores_out=scores, rows_out=rows)
     # The sampler as training runs it: the same path, under the same autocast (on CUDA its own static decoder,
     # kept beside training's).
     with autocast(cfg, device):
-        loop = dict(sampler=sampler(cfg))
-        out = {"eval_accuracy": evaluate(model, tokenizer, heldout, cfg.max_new_tokens, device, reward, **loop)}
+        out = {
+            "eval_accuracy": evaluate(
+                model, tokenizer, heldout, cfg.max_new_tokens, device, reward, sampler=sampler(cfg), **kw
+            )
+        }
+        if scores and cfg.reward != ["math"]:
+            out.update({f"eval_rewards/{k}": v for k, v in scores[0].means(reward.names).items()})
+            out["eval_reward_none_frac"] = scores[0].none_frac()
+            out.update({f"eval_{k}": v for k, v in scores[0].metrics.items()})
+        if rows is not None:
+            writer.completions([{"split": "eval", "step": at_step, **row} for row in rows])
         if cfg.eval_samples:
             gen = torch.Generator(device=device).manual_seed(cfg.seed + EVAL_SEED)
             temperature = cfg.temperature if cfg.eval_temperature is None else cfg.eval_temperature
             sampling = dict(samples=cfg.eval_samples, temperature=temperature, truncation=cfg.eval_truncation)
             out["eval_pass1"] = evaluate(
-                model, tokenizer, heldout, cfg.max_new_tokens, device, reward, **sampling, generator=gen, **loop
+                model,
+                tokenizer,
+                heldout,
+                cfg.max_new_tokens,
+                device,
+                reward,
+                **sampling,
+                generator=gen,
+                sampler=sampler(cfg),
             )
     return out
+
+
+def measure(cfg: Config) -> str:
+    """What eval_accuracy measures: the accuracy with the built-in verifier, else the mean weighted reward."""
+    return "accuracy" if cfg.reward == ["math"] else "reward"
 
 
 def pass1_words(metrics: dict, k: int) -> str:
@@ -218,6 +281,103 @@ def reward_of(task: str):
     return math_reward
 
 
+def run_rewards(cfg: Config) -> Rewards:
+    """The run's reward functions (--reward, --reward-weights; rewards.py): `math` is the task's verifier."""
+    kw = dict(answer_field=cfg.answer_field, symbolic=cfg.task == "math", score=reward_of(cfg.task))
+    return load_rewards(cfg.reward, cfg.reward_weights, **kw)
+
+
+def score_rows(rewards: Rewards, rows: list[Problem], texts: list[str], ro: Rollout, state: RewardState) -> Scores:
+    """Every reward function on N decoded completions, called as TRL calls them (rewards.py): `rows` are their
+    problems, one a completion (group-major)."""
+    completion_ids = [ids[m.bool()].tolist() for ids, m in zip(ro.completion_ids.cpu(), ro.completion_mask.cpu())]
+    completions = [t if p.messages is None else [{"role": "assistant", "content": t}] for p, t in zip(rows, texts)]
+    keys = dict.fromkeys(k for p in rows for k in p.reward_columns)
+    columns = {k: [p.reward_columns.get(k) for p in rows] for k in keys}
+    return rewards.score([p.prompt for p in rows], completions, completion_ids, columns, state)
+
+
+def merge_scores(parts: list[Scores]) -> Scores:
+    """The Scores of several batches as one (evaluation's chunks): rows concatenated, logged metrics averaged."""
+    metrics = {}
+    for p in parts:
+        for k, v in p.metrics.items():
+            metrics.setdefault(k, []).append(v)
+    parts_ = torch.cat([p.parts for p in parts], dim=1)
+    total = torch.cat([p.total for p in parts])
+    return Scores(parts_, total, {k: sum(v) / len(v) for k, v in metrics.items()}, {})
+
+
+def completion_rows(tokenizer, ro: Rollout, texts: list[str], scores: Scores, names: list[str], rows) -> list[dict]:
+    """completions.jsonl's rows for the completions `rows` of a batch: the prompt as the policy saw it (padding
+    dropped), the completion as the rewards read it, the weighted reward, each function's (None: no opinion) and
+    what log_extra added."""
+    out = []
+    for i in rows:
+        prompt = tokenizer.decode(ro.prompt_ids[i][ro.prompt_mask[i].bool()], skip_special_tokens=False)
+        parts = {n: (None if math.isnan(x) else x) for n, x in zip(names, scores.parts[:, i].tolist())}
+        row = {"prompt": prompt, "completion": texts[i], "reward": scores.total[i].item(), "rewards": parts}
+        for column, values in scores.extras.items():
+            if len(values) == len(texts):
+                row[column] = values[i]
+        out.append(row)
+    return out
+
+
+LOG_SEED = 0x10C5  # the rows --log-completions shows: drawn with seed * 1_000_003 + step + this, apart from training
+
+
+def logged_rows(cfg: Config, tokenizer, step: int, res: StepResult, scores: Scores | None, names) -> list[dict]:
+    """--log-completions N: N of the step's completions, drawn afresh from a generator of their own (the
+    training's random streams are untouched), with their advantages."""
+    ro = res.rollout
+    n = ro.completion_ids.shape[0]
+    pick = sorted(random.Random(cfg.seed * 1_000_003 + step + LOG_SEED).sample(range(n), min(cfg.log_completions, n)))
+    ids = torch.where(ro.completion_mask.bool(), ro.completion_ids, tokenizer.pad_token_id)  # (N, T)
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    if scores is None:  # the step's scores are lost (a checkpoint from before --log-completions existed)
+        nan = torch.full((len(names), n), math.nan)
+        scores = Scores(nan, res.rewards.float().cpu())
+    rows = completion_rows(tokenizer, ro, texts, scores, names, pick)
+    return [
+        {
+            "split": "train",
+            "step": step,
+            "row": i,
+            "group": i // cfg.group_size,
+            **row,
+            "advantage": res.batch.advantages[i].item(),
+        }
+        for i, row in zip(pick, rows)
+    ]
+
+
+def reward_metrics(scores: Scores | None, names: list[str]) -> dict:
+    """The step's rewards/NAME (each function's mean over the completions it scored), reward_none_frac and what
+    the functions logged (log_metric)."""
+    if scores is None:
+        return {}
+    out = {f"rewards/{k}": v for k, v in scores.means(names).items()}
+    out["reward_none_frac"] = scores.none_frac()
+    out.update(scores.metrics)
+    return out
+
+
+def lr_at(cfg: Config, step: int) -> float:
+    """The learning rate of step k (every inner step of it), as transformers' schedulers give it for optimizer step
+    k (TRL's lr_scheduler_type): a warm-up from 0 over the first W = ceil(--warmup-ratio x --steps) steps, then
+    constant, linear to 0 or cosine to 0 at --steps. A function of the step alone: a resume needs no state."""
+    warmup = math.ceil(cfg.warmup_ratio * cfg.steps)
+    if step < warmup:
+        return cfg.lr * (float(step) / float(max(1, warmup)))
+    if cfg.lr_scheduler == "constant":
+        return cfg.lr
+    if cfg.lr_scheduler == "linear":
+        return cfg.lr * max(0.0, float(cfg.steps - step) / float(max(1, cfg.steps - warmup)))
+    progress = float(step - warmup) / float(max(1, cfg.steps - warmup))
+    return cfg.lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
+
+
 def verifier(tokenizer, problems: list[Problem], group_size: int, reward=math_reward):
     """The training reward: `reward` of each decoded completion against its prompt's gold answer."""
     golds = [p.gold for p in problems for _ in range(group_size)]
@@ -231,11 +391,43 @@ def verifier(tokenizer, problems: list[Problem], group_size: int, reward=math_re
     return reward_fn
 
 
+class Draw:
+    """The loop's `draw(n, start)`: the next n steps' prompts, in stream order, each with its scorer (a refresh
+    samples them all at once). `scored` keeps each step's Scores (its reward functions' figures) until its
+    metrics row is written; a checkpoint holds those of its unfinished cycle."""
+
+    def __init__(self, cfg: Config, tokenizer, stream: PromptStream, rewards: Rewards, device):
+        self.cfg, self.tokenizer, self.stream, self.rewards, self.device = cfg, tokenizer, stream, rewards, device
+        self.scored: dict[int, Scores] = {}
+
+    def __call__(self, n: int, start: int) -> list:
+        batches = [self.stream.next(self.cfg.prompts_per_step) for _ in range(n)]
+        state = RewardState(start, self.cfg.steps, self.stream.position / len(self.stream.problems))
+        return [
+            (*encode_prompts(self.tokenizer, b, self.device), self.scorer(b, start + j, state))
+            for j, b in enumerate(batches)
+        ]
+
+    def scorer(self, problems: list[Problem], k: int, state: RewardState):
+        """Rollout -> (N,) rewards of step k's batch: the reward functions on its decoded completions."""
+        rows = [p for p in problems for _ in range(self.cfg.group_size)]  # group-major, as the rollout's rows
+
+        def reward_fn(ro: Rollout) -> torch.Tensor:
+            ids = torch.where(ro.completion_mask.bool(), ro.completion_ids, self.tokenizer.pad_token_id)  # (N, T)
+            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            self.scored[k] = score_rows(self.rewards, rows, texts, ro, state)
+            return self.scored[k].total.to(ro.completion_ids.device)
+
+        return reward_fn
+
+
 def setup(cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: list[Problem]):
     """The policy, its frozen copies and optimizer, the tokenizer, and the prompts that fit its context."""
     # The built-in tiny policy (tiny.py) or any transformers causal LM; an unloadable one is a ConfigError.
     policy, tokenizer = load_policy(cfg, log=writer.log)
     context = getattr(policy.config, "max_position_embeddings", None)
+    if context and context <= cfg.max_new_tokens:
+        raise ConfigError(f"--max-new-tokens {cfg.max_new_tokens} leaves no room for a prompt in {context} tokens")
     if context:
         # Prompts that leave no room for max_new_tokens are skipped, with a count.
         train_set, dropped = fit_context(tokenizer, train_set, context - cfg.max_new_tokens, "training")
@@ -251,14 +443,15 @@ def setup(cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: lis
 
 
 def checkpoint_state(
-    models: Models, gen, stream: PromptStream, cycle: Cycle | None, step: int, start: dict, wall: float
+    models: Models, gen, stream: PromptStream, cycle: Cycle | None, step: int, start: dict, wall: float, scored=None
 ) -> dict:
     """Everything the next step reads, so that a resumed run continues bit for bit.
 
     The unfinished refresh cycle is saved too: its batches were drawn from alpha, a policy up to v - 1 steps
     old that the current weights cannot reproduce (with their rewards and log alpha). The sampling
     generator's state and the data position (already past the cycle's prompts) make the next cycle's
-    samples those of the uninterrupted run.
+    samples those of the uninterrupted run. So are the reward functions' own figures for the cycle's later steps
+    (`scored`: each step's Scores), which its metrics rows report.
     """
     state = {
         "policy": policy_state(models.policy),
@@ -272,6 +465,16 @@ def checkpoint_state(
     }
     if cycle is not None and cycle.covers(step):
         state["cycle"] = cycle.state()
+        state["scores"] = {
+            k: {
+                "parts": sc.parts,
+                "total": sc.total,
+                "metrics": sc.metrics,
+                "extras": json.dumps(sc.extras, default=str),
+            }
+            for k, sc in (scored or {}).items()
+            if k >= step
+        }
     if models.ref is not None:
         state["ref"] = models.ref.state_dict()
     return state
@@ -279,7 +482,7 @@ def checkpoint_state(
 
 def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunWriter):
     """Load the newest readable checkpoint into the models; returns (step, the start's held-out metrics, wall
-    seconds, the unfinished refresh cycle or None)."""
+    seconds, the unfinished refresh cycle or None, the reward functions' Scores of its steps)."""
     # Complete means renamed into place after an fsync; a file damaged since (a truncated copy, a bad disk) is
     # passed over for the one before it, with a notice naming both.
     found = checkpoints(cfg.out)
@@ -307,7 +510,11 @@ def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunW
     writer.truncate_metrics(ck["step"])
     writer.log(f"resumed from {path} at step {ck['step']}")
     start = {"eval_accuracy": ck["eval_accuracy_start"], "eval_pass1": ck.get("eval_pass1_start")}
-    return ck["step"], {k: x for k, x in start.items() if x is not None}, ck["wall_s"], cycle
+    scored = {
+        k: Scores(sc["parts"], sc["total"], sc["metrics"], json.loads(sc["extras"]))
+        for k, sc in ck.get("scores", {}).items()
+    }
+    return ck["step"], {k: x for k, x in start.items() if x is not None}, ck["wall_s"], cycle, scored
 
 
 def metrics_row(step: int, res: StepResult, group_size: int, wall_s: float, step_s: float, device) -> dict:
@@ -357,21 +564,40 @@ def train(cfg: Config) -> dict:
     validate(cfg)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    # Bad data fails here, before anything is written.
-    train_set, heldout = load_task(cfg.task, cfg.data_files, cfg.eval_files, cfg.eval_size)
+    # Bad rewards and bad data fail here, before anything is written.
+    rewards = run_rewards(cfg)
+    train_set, heldout = load_data(cfg, rewards)
     writer = RunWriter(cfg)  # refuses a folder that holds another run, or that another process writes
     try:
-        return run(cfg, writer, train_set, heldout)
+        return run(cfg, writer, train_set, heldout, rewards)
+    except BaseException:
+        writer.discard_if_unstarted()  # a start that fails before its first step leaves --out unclaimed
+        raise
     finally:
         writer.close()  # the folder is free again, however the run ended
 
 
-def run(cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: list[Problem]) -> dict:
+def load_data(cfg: Config, rewards: Rewards) -> tuple[list[Problem], list[Problem]]:
+    """(train, held-out) problems: the --task, or the --dataset's rows, written as --system-prompt, --instruction and
+    --no-chat-template say (tasks.py)."""
+    prompting = Prompting(cfg.system_prompt, cfg.instruction, cfg.chat_template)
+    if cfg.dataset is None:
+        return load_task(cfg.task, cfg.data_files, cfg.eval_files, cfg.eval_size, prompting)
+    fields = dict(prompt_field=cfg.prompt_field, answer_field=cfg.answer_field, answer_required=rewards.needs_answer)
+    where = dict(config=cfg.dataset_config, split=cfg.split, eval_split=cfg.eval_split, eval_files=cfg.eval_files)
+    return load_dataset_problems(cfg.dataset, **where, eval_size=cfg.eval_size, **fields, prompting=prompting)
+
+
+def run(
+    cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: list[Problem], rewards: Rewards | None = None
+) -> dict:
     """The run itself, in its claimed folder: the policy, resume or the first evaluation, the loop, the end."""
     device = torch.device(cfg.device)
     if overlap := len({p.question for p in heldout} & {p.question for p in train_set}):
         writer.log(f"warning: {overlap} of the {len(heldout)} held-out questions are also training questions")
     models, tokenizer, train_set, heldout = setup(cfg, writer, train_set, heldout)
+    rewards = rewards or run_rewards(cfg)
+    writer.record({"reward_names": rewards.names, **prompt_record(tokenizer, train_set[0])})
     gen = torch.Generator(device=device).manual_seed(cfg.seed)  # the sampling generator
     v = cfg.offpolicy_steps
     schedule = (
@@ -379,28 +605,23 @@ def run(cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: list[
     )
     writer.log(f"sampling path: {sampling_path(models.policy, cfg.fast)}; the policy samples {schedule}")
     stream = PromptStream(train_set, cfg.seed)
-
-    def draw(n: int) -> list:
-        """The next n steps' prompts, in stream order, each with its verifier (a refresh samples them all)."""
-        batches = [stream.next(cfg.prompts_per_step) for _ in range(n)]
-        reward = reward_of(cfg.task)
-        return [
-            (*encode_prompts(tokenizer, b, device), verifier(tokenizer, b, cfg.group_size, reward)) for b in batches
-        ]
+    draw = Draw(cfg, tokenizer, stream, rewards, device)  # the prompts of a refresh's steps, and their scorers
 
     # ---- resume, or evaluate the starting policy ----
     # A resumed run keeps its wall clock and its start's held-out metrics, so its summary reads like one run's.
     start_step, wall_before, cycle = 0, 0.0, None
     if cfg.resume:
-        start_step, start, wall_before, cycle = restore(cfg, models, gen, stream, writer)
+        start_step, start, wall_before, cycle, draw.scored = restore(cfg, models, gen, stream, writer)
     t0 = time.time() - wall_before
     if not cfg.resume:
         # Evaluation draws no random numbers from the sampler's generator: skipping it (--no-eval-start) leaves the
         # run as it is.
-        start = evaluation(cfg, models.policy, tokenizer, heldout, device) if cfg.eval_start else {}
+        start = (
+            evaluation(cfg, models.policy, tokenizer, heldout, device, rewards, -1, writer) if cfg.eval_start else {}
+        )
     if start:
         acc, pass1 = start["eval_accuracy"], pass1_words(start, cfg.eval_samples)
-        writer.log(f"held-out greedy accuracy before training: {acc:.3f} ({len(heldout)} problems){pass1}")
+        writer.log(f"held-out greedy {measure(cfg)} before training: {acc:.3f} ({len(heldout)} problems){pass1}")
     # The bar counts from the resumed step, so its rate and time left are those of the remaining steps.
     bar_kw = dict(desc="grpo", dynamic_ncols=True, disable=not cfg.progress, initial=start_step, total=cfg.steps)
     bar = tqdm(range(start_step, cfg.steps), **bar_kw)
@@ -408,9 +629,11 @@ def run(cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: list[
     nonfinite = []  # the steps whose update was skipped as not finite (stop_if_diverged)
     for step in bar:
         t_step = time.time()
+        for group in models.opt.param_groups:  # --lr-scheduler: a function of the step
+            group["lr"] = lr_at(cfg, step)
         try:
             # A refresh step samples its cycle's batches (draw) at once; the others take theirs from it.
-            res, cycle = grpo_step(cfg, models, tokenizer, step, gen, cycle, draw)
+            res, cycle = grpo_step(cfg, models, tokenizer, step, gen, cycle, functools.partial(draw, start=step))
         except FloatingPointError:
             # The sampler's logits are not finite: a diverged policy. The step counts as non-finite.
             writer.metrics({"step": step, "wall_s": time.time() - t0, "nonfinite_updates": 1, "nonfinite_logits": 1})
@@ -419,8 +642,12 @@ def run(cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: list[
             continue
         # Bookkeeping: the metrics row, held-out accuracy every --eval-every steps, the divergence guard.
         row = metrics_row(step, res, cfg.group_size, time.time() - t0, time.time() - t_step, device)
+        scores = draw.scored.pop(step, None)
+        row.update(lr=lr_at(cfg, step), **reward_metrics(scores, rewards.names))
+        if cfg.log_completions:
+            writer.completions(logged_rows(cfg, tokenizer, step, res, scores, rewards.names))
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-            row.update(evaluation(cfg, models.policy, tokenizer, heldout, device))
+            row.update(evaluation(cfg, models.policy, tokenizer, heldout, device, rewards, step, writer))
         writer.metrics(row)
         show(bar, row)
         if res.stats.get("nonfinite_updates"):
@@ -429,18 +656,19 @@ def run(cfg: Config, writer: RunWriter, train_set: list[Problem], heldout: list[
         # No checkpoint of a non-finite step, nor of weights that are not finite: the newest one stays a good one.
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step not in nonfinite:
             check_finite_weights(models.policy, f"step {step}")
-            state = checkpoint_state(models, gen, stream, cycle, step + 1, start, time.time() - t0)
+            state = checkpoint_state(models, gen, stream, cycle, step + 1, start, time.time() - t0, draw.scored)
             with signals_wait():
                 save_checkpoint(cfg.out, state, step + 1, cfg.keep_checkpoints)
 
     # ---- the end: held-out accuracy, summary.json, final/ and curves.png ----
     check_finite_weights(models.policy, "the end of the run")
-    end = evaluation(cfg, models.policy, tokenizer, heldout, device)
+    end = evaluation(cfg, models.policy, tokenizer, heldout, device, rewards, cfg.steps - 1, writer)
     summary = {f"{k}_{when}": m.get(k) for k in end for when, m in (("start", start), ("end", end))}
     summary.update(steps=cfg.steps, wall_s=time.time() - t0, eval_size=len(heldout), out=str(writer.out))
     acc_start, acc_end = start.get("eval_accuracy"), end["eval_accuracy"]
     gain = "start not evaluated" if acc_start is None else f"start {acc_start:.3f}, {acc_end - acc_start:+.3f}"
-    writer.log(f"held-out greedy accuracy after training:  {acc_end:.3f} ({gain}){pass1_words(end, cfg.eval_samples)}")
+    pass1 = pass1_words(end, cfg.eval_samples)
+    writer.log(f"held-out greedy {measure(cfg)} after training:  {acc_end:.3f} ({gain}){pass1}")
     with signals_wait():
         writer.finish(models.policy, tokenizer, summary)
     return summary
@@ -483,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args, given)
         train(cfg)
-    except (ConfigError, TaskError) as e:
+    except (ConfigError, TaskError, RewardError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # A diverged run is not bad input: its own status, so scripts can tell the two apart.

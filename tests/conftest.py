@@ -52,7 +52,7 @@ def needs(module: str, extra: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        installed = os.environ.get("CI_EXTRAS", "trl,verl,plot,tensorboard,real,lora,math").split(",")
+        installed = os.environ.get("CI_EXTRAS", "trl,verl,plot,tensorboard,wandb,real,lora,math").split(",")
         if os.environ.get("CI") == "true" and extra in installed:
             pytest.fail(f"needs {module} (the [{extra}] extra), which CI installs")
         pytest.skip(f"needs {module}: pip install -e '.[{extra}]'", allow_module_level=True)

@@ -7,9 +7,9 @@
 2. local stand-ins for the hub ids the tests name are built there: tiny random-weight causal LMs and sequence
    classifiers of each architecture transformers has (Qwen2, Qwen3, Llama, Mistral, Gemma2, Cohere2, Qwen3-MoE,
    GPT-OSS, GLM4-MoE) on a 512-id byte-level BPE with the special tokens and chat template of Qwen2's tokenizer
-   (../shared/data/qwen2-tokenizer), and the `zen` dataset (standard and conversational prompt-only, 8 train and 2
-   test prompts). from_pretrained and load_dataset take a folder named like the
-   hub id, relative to the working directory, for a local one: pytest runs in the work folder;
+   ($QWEN2_TOKENIZER, a folder or hub id; default Qwen/Qwen2-1.5B-Instruct), and the `zen` dataset (standard and
+   conversational prompt-only, 8 train and 2 test prompts). from_pretrained and load_dataset take a folder named
+   like the hub id, relative to the working directory, for a local one: pytest runs in the work folder;
 3. a conftest.py there swaps `trl.GRPOTrainer` and `trl.GRPOConfig` for OffPolicyGRPOTrainer and a config whose
    defaults are stock TRL's (v = 1 on TRL's own schedule, clip_center="alpha", mask_zero_std=False);
    --stock keeps TRL's own: the control run,
@@ -29,7 +29,12 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKENIZER = ROOT.parent / "shared" / "data" / "qwen2-tokenizer"
+# Qwen2's tokenizer, whose special tokens and chat template the stand-ins take: $QWEN2_TOKENIZER, else a local copy
+# beside the checkout where the machine has one (offline), else the hub's.
+LOCAL_QWEN2 = ROOT.parent / "shared" / "data" / "qwen2-tokenizer"
+TOKENIZER = os.environ.get("QWEN2_TOKENIZER") or (
+    str(LOCAL_QWEN2) if LOCAL_QWEN2.is_dir() else "Qwen/Qwen2-1.5B-Instruct"
+)
 TRL_FILES = ("tests/test_grpo_trainer.py", "tests/testing_utils.py", "tests/conftest.py")
 PROMPTS = [
     "The sky is",
