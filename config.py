@@ -85,7 +85,7 @@ class Config:
     instruction: str | None = arg(
         None, "text after the question, replacing the task's ({question} in it stands for the question)"
     )
-    chat_template: bool = arg(True, "--no-chat-template: the raw prompt text even if the tokenizer has a template")
+    chat_template: bool = arg(True, "raw prompt text (for a base model) even where the tokenizer has a chat template")
     # --- sampling (steps 1-2) -----------------------------------------------------------------
     steps: int = arg(400, "training steps")
     prompts_per_step: int = arg(16, "B, prompts per step")

@@ -271,7 +271,7 @@ def _hub_gsm8k(split: str) -> list[Problem]:
         first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise TaskError(
             f"--task gsm8k: the hub dataset openai/gsm8k cannot be loaded ({first}); "
-            "pass a local JSONL of its 'question'/'answer' rows with --data-files (e.g. gsm8k/train.jsonl)"
+            "pass a local JSONL with --data-files (its 'question'/'answer' rows, e.g. gsm8k/train.jsonl)"
         ) from None
     return [Problem(r["question"], g) for r in ds if (g := gold_from_solution(r["answer"])) is not None]
 

@@ -379,7 +379,8 @@ def lr_at(cfg: Config, step: int) -> float:
 
 
 def verifier(tokenizer, problems: list[Problem], group_size: int, reward=math_reward):
-    """The training reward: `reward` of each decoded completion against its prompt's gold answer."""
+    """A reward_fn of `reward` (completion, gold) -> float on each decoded completion against its prompt's gold:
+    the loop's scorer (`Draw.scorer`) for one per-completion function, what tests of the decoding call."""
     golds = [p.gold for p in problems for _ in range(group_size)]
 
     def reward_fn(ro: Rollout) -> torch.Tensor:

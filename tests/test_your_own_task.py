@@ -437,6 +437,45 @@ def test_a_conversational_column_reaches_the_rewards_as_trl_gives_it(tmp_path):
         load_dataset_problems(str(path), eval_size=2, prompting=Prompting(chat_template=False))
 
 
+def test_a_chat_model_run_on_a_conversational_column_with_a_system_prompt(tmp_path, main):
+    """A random-weight Qwen2 on Qwen2's tokenizer (its chat template): the conversation as the template wrote it,
+    after --system-prompt, is what the policy saw (completions.jsonl) and what config.json records."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(shared_data("qwen2-tokenizer"))
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model_dir = tmp_path / "qwen2-random"
+    Qwen2ForCausalLM(cfg).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    data = tmp_path / "chat.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": f"What is {q[:-1]}?"}], "answer": a} for q, a in ARITH]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    args = ["--model", model_dir, "--dataset", data, "--system-prompt", "Be brief.", "--steps", 1, "--eval-size", 2]
+    args += ["--prompts-per-step", 2, "--group-size", 2, "--max-new-tokens", 4, "--log-completions", 2]
+    r = main(*args, "--out", out, "--no-progress")
+    assert r.returncode == 0, r.stderr[-2000:]
+    saved = json.loads((out / "config.json").read_text())
+    expected = tok.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 99-9?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert saved["prompt_format"] == "chat template" and saved["prompt_example"] == expected
+    held = [r for r in jsonl(out / "completions.jsonl") if r["split"] == "eval"]
+    assert held[0]["prompt"] == expected.replace("99-9", "12+34")
+
+
 # --- what it writes: completions.jsonl, TensorBoard, wandb ----------------------------------------------------------
 
 
