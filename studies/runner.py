@@ -70,7 +70,7 @@ def finished(cfg: Config) -> bool:
     if not (out / "summary.json").is_file() or not (out / "config.json").is_file():
         return False
     saved = {RENAMED_FLAGS.get(k, k): v for k, v in json.loads((out / "config.json").read_text()).items()}
-    saved = {k: RENAMED_VALUES.get(k, {}).get(v, v) for k, v in saved.items()}
+    saved = {k: RENAMED_VALUES[k].get(v, v) if k in RENAMED_VALUES else v for k, v in saved.items()}
     # Paths are stored absolute since 2026-12; older records hold them relative to the repository root.
     saved.update({k: absolute(saved[k]) for k in ("out", "cache_dir", "data_files", "eval_files") if k in saved})
     ignore = {"progress", "resume"}  # do not change the result
