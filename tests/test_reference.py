@@ -4,8 +4,11 @@ policy, optimizer state, prompts and generator they make the same updates, step 
 What differs between the two is numerics only: the reference scores with logprobs.token_logprobs (full logits),
 the engine with chunked_logprobs (the head in chunks, a group's prompt run once), and at a refresh the engine takes
 log alpha of the first batch from the update's own forward. So the weights agree to float32 rounding, not bit for
-bit: after 8 steps of AdamW at lr 1e-3 within 2e-5 (a weight moves by about 1e-3 a step; a wrong update, one
-step skipped or one loss term missing, moves them apart by that much at once: the last test)."""
+bit. The measure is the relative gap of the two runs' updates, |dtheta_engine - dtheta_ref| / |dtheta_engine| over
+all weights after 8 steps of AdamW at lr 1e-3: at most 1e-3. Measured 1.2e-5 to 3.0e-5 on these configs with AVX
+kernels, up to 1.6e-4 (two inner steps, where the clip acts) under ATEN_CPU_CAPABILITY=default: Adam divides each
+gradient by its own scale, so a weight whose gradient is rounding noise moves by rounding-sized steps. A wrong
+update, one Adam step too many, is a gap of 0.46 (the last test asserts > 1e-2)."""
 
 import copy
 
@@ -20,7 +23,7 @@ from tasks import encode_prompts, load_task
 
 pytestmark = pytest.mark.model
 
-TOLERANCE = 1e-4  # the largest relative gap of the two updates: float32 rounding, accumulated over the steps
+TOLERANCE = 1e-3  # the largest relative gap of the two updates: float32 rounding, accumulated over the steps
 
 
 def draws(cfg, tokenizer):
