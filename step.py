@@ -35,15 +35,15 @@ from dataclasses import dataclass
 import torch
 
 from advantage import group_advantages, red_drop, red_weight
-from chunked_logprobs import chunked_token_logprobs
 from config import Config
-from corrections import corrected_policy_loss, mis_keep_mask, sampler_mismatch_stats
-from decoding import static_sampler
+from engine.chunked_logprobs import chunked_token_logprobs
+from engine.decoding import static_sampler
+from engine.policy import BF16AdamW, auto_micro_batch, fit_policy
 from logprobs import token_logprobs
 from objective import aggregation_total, policy_loss
-from policy import BF16AdamW, auto_micro_batch, fit_policy
-from reinforce import opmd_loss, rec_loss
 from rollout import Cycle, Rollout, Sampled, generate_batches, sample
+from variants.corrections import corrected_policy_loss, mis_keep_mask, sampler_mismatch_stats
+from variants.reinforce import opmd_loss, rec_loss
 
 
 def reference_step(cfg: Config, policy, opt, ref, tokenizer, k: int, gen, cycle: list | None, draw) -> list:

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from checkpoint import (
+from bookkeeping.checkpoint import (
     checkpoint_dir,
     checkpoints,
     latest_checkpoint,
@@ -49,16 +49,12 @@ from checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from bookkeeping.run_io import RunWriter, current_memory_gb, peak_memory_gb
 from config import Config, ConfigError, config_from_args, parse_args, validate
-from decoding import sampling_path
+from engine.decoding import sampling_path
+from engine.policy import load_policy
 from logprobs import Truncation
-from policy import load_policy
-from reward import math_reward
-from rewards import RewardError, Rewards, RewardState, Scores, load_rewards
-from rollout import Cycle, Rollout, generate
-from run_io import RunWriter, current_memory_gb, peak_memory_gb
-from step import Models, StepResult, autocast, grpo_step, make_models, sampler
-from tasks import (
+from problems.tasks import (
     Problem,
     Prompting,
     TaskError,
@@ -68,6 +64,10 @@ from tasks import (
     load_task,
     prompt_record,
 )
+from problems.user_rewards import RewardError, Rewards, RewardState, Scores, load_rewards
+from reward import math_reward
+from rollout import Cycle, Rollout, generate
+from step import Models, StepResult, autocast, grpo_step, make_models, sampler
 
 
 class Diverged(Exception):
@@ -275,7 +275,7 @@ def reward_of(task: str):
     """The task's verifier, (completion, gold) -> 0.0 or 1.0: reward.math_reward, or for MATH-style answers
     math_verifier.symbolic_reward (imported here: math-verify is the [math] extra)."""
     if task == "math":
-        from math_verifier import symbolic_reward
+        from problems.math_verifier import symbolic_reward
 
         return symbolic_reward
     return math_reward

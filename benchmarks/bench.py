@@ -49,10 +49,10 @@ import torch
 import step
 from benchmarks.compare import FITS, compare, fit_name
 from benchmarks.trl_bench import subclass_step_times, trl_step_times
+from bookkeeping.run_io import current_memory_gb, peak_memory_gb, reset_peak_memory
 from config import Config, ConfigError, add_flags, resolve, validate
-from decoding import sampling_path
-from policy import auto_micro_batch, gguf_file, load_gguf
-from run_io import current_memory_gb, peak_memory_gb, reset_peak_memory
+from engine.decoding import sampling_path
+from engine.policy import auto_micro_batch, gguf_file, load_gguf
 from step import clock, grpo_step, make_models
 
 PRESETS = {  # random-weight models with a real model's shape
@@ -172,7 +172,7 @@ def load_model(name: str, device: torch.device, seed: int):
 
     torch.manual_seed(seed)
     if name == "tiny":
-        import tiny
+        from engine import tiny
 
         tok = tiny.build_tokenizer()
         return tiny.build_model(tok, seed=seed).to(device), tok, "tiny (random weights)"

@@ -26,7 +26,7 @@ import tempfile
 import torch
 from transformers import PrinterCallback, TrainerCallback
 
-from run_io import peak_memory_gb
+from bookkeeping.run_io import peak_memory_gb
 from step import clock
 
 

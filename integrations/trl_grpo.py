@@ -66,13 +66,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 
 import objective
-import reinforce
-import tiny
 from advantage import group_advantages
-from policy import gguf_file, load_gguf
+from bookkeeping.run_io import atomic_write_text
+from engine import tiny
+from engine.policy import gguf_file, load_gguf
+from problems.tasks import TaskError, encode_prompts, format_prompt, load_task
 from reward import math_reward
-from run_io import atomic_write_text
-from tasks import TaskError, encode_prompts, format_prompt, load_task
+from variants import reinforce
 
 # TRL loss_type -> this project's aggregation (objective.py): the ones whose math is the same.
 LOSS_TYPES = {"dapo": "token-mean", "grpo": "seq-mean", "dr_grpo": "constant"}

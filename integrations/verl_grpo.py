@@ -60,7 +60,7 @@ from verl.trainer.ppo.core_algos import agg_loss, register_adv_est, register_pol
 
 import advantage
 import objective
-import reinforce
+from variants import reinforce
 
 # verl's own guard on log-ratios before exp (core_algos, rollout_corr_helper)
 LOG_RATIO_BOUND = 20.0

@@ -8,10 +8,10 @@ import sys
 
 import torch
 
-from policy import load_gguf
+from engine.policy import load_gguf
+from problems.tasks import encode_prompts, load_task
 from reward import math_reward
 from rollout import generate
-from tasks import encode_prompts, load_task
 
 
 def completions(model, tok, problems, max_new_tokens: int) -> list[str]:

@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from checkpoint import load_checkpoint
-from policy import load_gguf
-from tasks import load_task
+from bookkeeping.checkpoint import load_checkpoint
+from engine.policy import load_gguf
+from problems.tasks import load_task
 from train import evaluate
 
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from policy import load_gguf
+from engine.policy import load_gguf
+from problems.tasks import encode_prompts, load_task
 from reward import math_reward
 from rollout import generate
-from tasks import encode_prompts, load_task
 
 DEFAULT_GGUF = Path.home() / ".cache/offpolicy-grpo/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -84,9 +84,9 @@ def train_one(arm: str, seed: int, runs_dir: Path, model_path: str, threads: int
     from trl import GRPOConfig, GRPOTrainer
 
     import train
-    from policy import load_gguf
+    from engine.policy import load_gguf
+    from problems.tasks import format_prompt, load_task
     from reward import math_reward
-    from tasks import format_prompt, load_task
 
     torch.set_num_threads(threads)
     out = runs_dir / f"{arm}-s{seed}"

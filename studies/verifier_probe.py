@@ -32,7 +32,7 @@ from collections import defaultdict
 from fractions import Fraction
 from pathlib import Path
 
-from math_verifier import symbolic_reward
+from problems.math_verifier import symbolic_reward
 from reward import math_reward, parse_number
 
 ROOT = Path(__file__).resolve().parents[1]

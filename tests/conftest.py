@@ -14,7 +14,7 @@ SHARED = ROOT.parent / "shared" / "data"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import tiny  # noqa: E402
+from engine import tiny  # noqa: E402
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 2)))
 
@@ -76,7 +76,7 @@ SMOLLM2_DEFAULT = Path.home() / ".cache" / "offpolicy-grpo" / "smollm2"
 def smollm2_gguf() -> Path:
     """The SmolLM2 GGUF file. Absent: a skip that says how to get it, but a failure under CI=true, so that CI
     never passes without having run the real-model tests."""
-    import policy
+    from engine import policy
 
     needs("gguf", "real")  # reading the file needs the gguf package
     where = Path(os.environ.get("SMOLLM2_GGUF") or SMOLLM2_DEFAULT).expanduser()
@@ -96,8 +96,8 @@ def smollm2_gguf() -> Path:
 def smollm2(smollm2_gguf):
     """(model, tokenizer) of SmolLM2-135M-Instruct, loaded once per session the way train.py loads --model
     (policy.load_policy, given the file's folder). float32, eval mode; tests that train work on a copy."""
-    import policy
     from config import Config, resolve
+    from engine import policy
 
     cfg = resolve(Config(model=str(smollm2_gguf.parent), task="wordproblems", device="cpu", out="/tmp/unused"))
     model, tok = policy.load_policy(cfg, log=lambda m: None)

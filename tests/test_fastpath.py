@@ -14,12 +14,12 @@ computation (values and gradients) and by counting the tokens that reach the emb
 import pytest
 import torch
 
-import decoding
-from chunked_logprobs import chunked_token_logprobs
-from decoding import sample_exponential_race, sampling_path, static_sampler
+from engine import decoding
+from engine.chunked_logprobs import chunked_token_logprobs
+from engine.decoding import sample_exponential_race, sampling_path, static_sampler
 from logprobs import position_ids_from_mask
+from problems.tasks import Problem, encode_prompts
 from rollout import generate
-from tasks import Problem, encode_prompts
 
 # Trains or decodes a model: CI runs these again under ATEN_CPU_CAPABILITY=default (plain kernels).
 pytestmark = pytest.mark.model
@@ -102,7 +102,7 @@ def ending_model(tok):
     embeddings are one-hot and the untied head maps one-hot(x) to CHAIN[x] with a logit margin of about 10,
     far above what the layers add (about 0.4): no kernel's rounding can change an argmax. Built, not trained.
     """
-    import tiny
+    from engine import tiny
 
     model = tiny.build_model(tok, seed=0)
     cfg = model.config
@@ -202,7 +202,7 @@ def test_sampled_logprobs_and_entropy_match_a_full_forward(model, tok, temperatu
 def test_reused_cache_sees_new_prompts_and_new_weights(tok):
     # The decoder (and on CUDA its graph) is kept per model and shape; a later call must see the
     # new prompts and the weights as they are now (an optimizer step changes them in place).
-    import tiny
+    from engine import tiny
 
     model = tiny.build_model(tok, seed=0).eval()
     kw = kwargs(tok, group_size=2, max_new_tokens=8, temperature=0.0, ignore_eos=True)
@@ -320,7 +320,7 @@ def test_auto_falls_back_to_plain_when_the_static_cache_fails(model, tok, monkey
 def test_a_diverged_policy_is_not_taken_for_a_path_failure(tok, monkeypatch):
     # Non-finite logits raise FloatingPointError (train.py counts the step as non-finite) on either
     # path; auto mode must pass it on, not switch the model to the plain path for good.
-    import tiny
+    from engine import tiny
 
     model = tiny.build_model(tok, seed=0).eval()
     with torch.no_grad():
@@ -342,7 +342,7 @@ def test_a_diverged_policy_is_not_taken_for_a_path_failure(tok, monkeypatch):
 def test_logits_that_turn_non_finite_mid_decode_raise_floating_point_error(tok, fast):
     # The prefill is fine and the third decode step's logits are NaN: the plain path would otherwise
     # hit multinomial's bare RuntimeError, and the race would quietly pick a token from NaN.
-    import tiny
+    from engine import tiny
 
     model = tiny.build_model(tok, seed=0).eval()
     calls = []
@@ -364,7 +364,7 @@ def test_logits_that_turn_non_finite_mid_decode_raise_floating_point_error(tok, 
 
 @needs_cuda
 def test_cuda_graph_greedy_matches_plain_and_sees_weight_updates(tok):
-    import tiny
+    from engine import tiny
 
     model = tiny.build_model(tok, seed=0).cuda().eval()
     assert sampling_path(model) == "static-cache+cuda-graph"
@@ -385,7 +385,7 @@ def test_cuda_graph_greedy_matches_plain_and_sees_weight_updates(tok):
 
 @needs_cuda
 def test_cuda_graph_sampling_logprobs_match_a_full_forward(tok):
-    import tiny
+    from engine import tiny
 
     model = tiny.build_model(tok, seed=1).cuda().eval()
     ids, mask = prompts(tok, "cuda")
@@ -403,7 +403,7 @@ def test_cuda_graph_sampling_logprobs_match_a_full_forward(tok):
 @needs_cuda
 def test_cuda_graph_under_bf16_autocast(tok):
     # train.py may run the sampler under bf16 autocast; the graph must capture without the cast cache.
-    import tiny
+    from engine import tiny
 
     model = tiny.build_model(tok, seed=2).cuda().eval()
     ids, mask = prompts(tok, "cuda")

@@ -9,13 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import policy
 import step
 import train
 from config import Config, resolve
 from conftest import TEST_WARMUP, needs
+from engine import policy
+from problems.tasks import Problem, encode_prompts
 from rollout import generate
-from tasks import Problem, encode_prompts
 
 pytestmark = pytest.mark.model  # trains or decodes a model: CI runs these again under plain kernels
 
@@ -187,7 +187,7 @@ def test_lora_trains_the_adapter_alone_the_kl_starts_at_zero_and_final_holds_the
     needs_peft()
     from peft import PeftModel
 
-    import tiny
+    from engine import tiny
 
     tiny_run(warm_cache, tmp_path / "lora", *LORA, "--beta", "0.04", "--lr", "1e-3", "--save-every", "3")
     rows = [json.loads(line) for line in (tmp_path / "lora" / "metrics.jsonl").read_text().splitlines()]
@@ -208,7 +208,7 @@ def test_lora_trains_the_adapter_alone_the_kl_starts_at_zero_and_final_holds_the
 
 def test_lora_base_weights_stay_bit_identical_and_only_the_adapter_reaches_the_optimizer(warm_cache):
     needs_peft()
-    import tiny
+    from engine import tiny
 
     cfg = cfg_for(lora_rank=4, lora_alpha=8.0, lr=1e-2, prompts_per_step=2, group_size=2)
     base, tok = tiny.load_tiny(warm_cache, TEST_WARMUP, log=lambda m: None)

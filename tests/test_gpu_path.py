@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from chunked_logprobs import SelectedLogProb
-from decoding import static_sampler
+from engine.chunked_logprobs import SelectedLogProb
+from engine.decoding import static_sampler
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
@@ -180,7 +180,7 @@ def tiny_llama(tok, seed: int = 0):
 
 
 def tiny_qwen2(tok, seed: int = 0):
-    import tiny
+    from engine import tiny
 
     return tiny.build_model(tok, seed=seed).eval()
 
@@ -199,7 +199,7 @@ MODELS = {"qwen2": tiny_qwen2, "llama": tiny_llama, "qwen2+lora": tiny_lora}
 
 
 def left_padded_prompts(tok):
-    from tasks import Problem, encode_prompts
+    from problems.tasks import Problem, encode_prompts
 
     problems = [Problem("12+3=", "15"), Problem("4*4=", "16"), Problem("123-45=", "78")]
     return encode_prompts(tok, problems, "cpu")
@@ -217,7 +217,7 @@ def sample_both_ways(model, tok, temperature=0.0, **kw):
 @pytest.mark.model
 @pytest.mark.parametrize("family", MODELS)
 def test_the_static_cache_sampler_matches_the_plain_loop(tok, family):
-    from decoding import sampling_path
+    from engine.decoding import sampling_path
 
     model = MODELS[family](tok)
     assert sampling_path(model, fast=True) == "static-cache"  # it applies: no silent fallback to plain
@@ -230,8 +230,8 @@ def test_the_static_cache_sampler_matches_the_plain_loop(tok, family):
 @pytest.mark.model
 @pytest.mark.parametrize("family", MODELS)
 def test_the_static_cache_sampler_under_bf16_autocast_keeps_its_cache_in_bf16(tok, family):
-    import decoding
-    from chunked_logprobs import chunked_token_logprobs
+    from engine import decoding
+    from engine.chunked_logprobs import chunked_token_logprobs
 
     model = MODELS[family](tok)
     with torch.autocast(**BF16):
@@ -299,7 +299,7 @@ def test_the_static_decoder_casts_no_weight_per_token_under_autocast(tok):
 
 @pytest.mark.model
 def test_evaluations_shape_does_not_evict_the_training_decoder(tok):
-    import decoding
+    from engine import decoding
 
     model = tiny_qwen2(tok)
     sample_both_ways(model, tok)  # 6 rows: "training"
@@ -319,7 +319,7 @@ def test_evaluations_shape_does_not_evict_the_training_decoder(tok):
 def test_a_failed_graph_capture_falls_back_to_the_plain_loop_with_one_line(tok, monkeypatch, capsys):
     # The CPU pretends to capture graphs, and the capture fails as it can on a GPU (out of memory, an op that
     # cannot be captured): that call samples on the plain loop, from the same generator state, and later calls too.
-    import decoding
+    from engine import decoding
     from rollout import generate
 
     monkeypatch.setattr(decoding, "graphs_on", lambda device: True)
@@ -368,7 +368,7 @@ def test_out_of_memory_in_a_step_is_one_line_naming_the_levers_and_the_checkpoin
     import transformers
 
     import train
-    from checkpoint import latest_checkpoint
+    from bookkeeping.checkpoint import latest_checkpoint
 
     real, calls = transformers.Qwen2Model.forward, []
 
@@ -398,8 +398,8 @@ def test_sampling_fast_trains_on_the_static_cache_and_survives_a_failed_capture(
 ):
     import json
 
-    import decoding
     import train
+    from engine import decoding
 
     # The CPU pretends to capture graphs; the capture fails: one line, and the run goes on to its end.
     monkeypatch.setattr(decoding, "graphs_on", lambda device: True)
@@ -415,7 +415,7 @@ def test_sampling_fast_trains_on_the_static_cache_and_survives_a_failed_capture(
 def test_evaluation_samples_under_the_training_autocast(tok, monkeypatch):
     import train
     from config import Config, resolve
-    from tasks import Problem
+    from problems.tasks import Problem
 
     seen = []
 
@@ -435,7 +435,7 @@ def test_evaluation_samples_under_the_training_autocast(tok, monkeypatch):
 def test_the_default_micro_batch_is_the_largest_divisor_whose_activations_fit():
     from types import SimpleNamespace
 
-    from policy import activation_bytes_per_token, auto_micro_batch, micro_batch_fitting
+    from engine.policy import activation_bytes_per_token, auto_micro_batch, micro_batch_fitting
 
     # Qwen2.5-0.5B's shape: H = 896, I = 4864, 24 layers.
     qwen = SimpleNamespace(hidden_size=896, intermediate_size=4864, num_hidden_layers=24)

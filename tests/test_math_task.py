@@ -9,7 +9,7 @@ import torch
 
 import train
 from conftest import ROOT, TEST_WARMUP, shared_data
-from tasks import MATH_INSTRUCTION, Problem, TaskError, load_task, math_row, read_jsonl
+from problems.tasks import MATH_INSTRUCTION, Problem, TaskError, load_task, math_row, read_jsonl
 
 
 def write(tmp_path, rows) -> str:
@@ -79,7 +79,7 @@ def test_task_math_without_math_verify_is_one_line_naming_the_extra(tmp_path):
 
 @pytest.mark.model
 def test_pass1_over_k_greedy_samples_is_greedy_accuracy_and_sampled_is_a_mean_of_k(warm_cache):
-    import tiny
+    from engine import tiny
 
     model, tok = tiny.load_tiny(warm_cache, warmup_steps=TEST_WARMUP, log=lambda m: None)  # the warmed-up policy
     problems = [Problem(q, a) for q, a in (("12+34=", "46"), ("7*8=", "56"), ("99-9=", "90"), ("3+4=", "7"))]

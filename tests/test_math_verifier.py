@@ -16,7 +16,7 @@ import time
 import pytest
 
 from conftest import ROOT, needs, shared_data
-from math_verifier import symbolic_reward
+from problems.math_verifier import symbolic_reward
 from reward import extract_answer, math_reward, parse_number
 
 
@@ -382,7 +382,7 @@ def test_s5_never_raises_and_stays_bounded(mv):
 
 
 def reward_budget() -> float:
-    import math_verifier
+    from problems import math_verifier
 
     return math_verifier.MV_TIMEOUT_S + math_verifier.SYMBOLIC_BUDGET_S
 

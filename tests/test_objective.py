@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from advantage import group_advantages, red_drop, red_weight
-from corrections import corrected_policy_loss, corrected_surrogate
 from objective import aggregation_total, policy_loss
-from reinforce import opmd_loss, opmd_per_token, rec_loss, rec_per_token
+from variants.corrections import corrected_policy_loss, corrected_surrogate
+from variants.reinforce import opmd_loss, opmd_per_token, rec_loss, rec_per_token
 
 # --------------------------------------------------------------------------- advantages
 

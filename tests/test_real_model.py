@@ -21,17 +21,17 @@ from pathlib import Path
 import pytest
 import torch
 
-import policy
-import run_io
-import tasks
 import train
-from chunked_logprobs import chunked_token_logprobs
+from bookkeeping import run_io
 from config import Config, ConfigError, resolve
 from conftest import ROOT, needs, shared_data
+from engine import policy
+from engine.chunked_logprobs import chunked_token_logprobs
 from objective import aggregation_total, policy_loss
+from problems import tasks
+from problems.tasks import INSTRUCTION, Problem, encode_prompts
 from reward import math_reward
 from rollout import Rollout, generate
-from tasks import INSTRUCTION, Problem, encode_prompts
 
 
 def real(test):
@@ -439,7 +439,7 @@ def test_two_grpo_steps_at_v2_are_finite_move_the_weights_and_log_a_full_row(
     assert torch.equal(final.model.layers[-1].self_attn.k_proj.weight, trained.model.layers[-1].self_attn.k_proj.weight)
     # The tiny policy's run with the same flags logs rows with the same keys.
     tiny_cfg = resolve(Config(task="arithmetic", cache_dir=warm_cache, out=str(tmp_path / "tiny"), **kw))
-    from tiny import load_tiny
+    from engine.tiny import load_tiny
 
     tiny_model, tiny_tok = load_tiny(warm_cache, tiny_cfg.warmup_steps, log=lambda m: None)
     tiny_rows, _ = run_two_steps(tiny_cfg, tiny_model, tiny_tok, monkeypatch)

@@ -18,8 +18,8 @@ import torch
 import step
 import train
 from config import Config, resolve
-from policy import load_policy
-from tasks import encode_prompts, load_task
+from engine.policy import load_policy
+from problems.tasks import encode_prompts, load_task
 
 pytestmark = pytest.mark.model
 

@@ -11,17 +11,16 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-import corrections
-import reinforce
-import run_io
 import step
-from chunked_logprobs import chunked_token_logprobs
+from bookkeeping import run_io
 from config import Config, resolve
 from conftest import ROOT, needs
-from corrections import corrected_policy_loss, corrected_surrogate, mis_keep_mask
+from engine.chunked_logprobs import chunked_token_logprobs
 from objective import aggregation_total
-from reinforce import opmd_loss, rec_loss
 from test_train import make_batch
+from variants import corrections, reinforce
+from variants.corrections import corrected_policy_loss, corrected_surrogate, mis_keep_mask
+from variants.reinforce import opmd_loss, rec_loss
 
 
 def overflow_outside_the_mask():

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import step
-from checkpoint import latest_checkpoint, save_checkpoint
+from bookkeeping.checkpoint import latest_checkpoint, save_checkpoint
 from config import Config, resolve
 from conftest import ROOT, TEST_WARMUP
 
@@ -198,8 +198,8 @@ def assert_one_line_error(r, expect):
 
 def test_prompts_longer_than_the_context_are_skipped_with_a_count():
     # The tiny model's context is 64 positions: with 8 new tokens, a prompt may use 56.
-    import tiny
-    from tasks import Problem, TaskError, fit_context
+    from engine import tiny
+    from problems.tasks import Problem, TaskError, fit_context
 
     tok = tiny.build_tokenizer()
     long_q = "1" * 80 + "+1="

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import chunked_logprobs
-from chunked_logprobs import chunked_token_logprobs
+from engine import chunked_logprobs
+from engine.chunked_logprobs import chunked_token_logprobs
 from logprobs import position_ids_from_mask, token_logprobs
+from problems.tasks import Problem, encode_prompts
 from rollout import cat_rollouts, generate, generate_batches, rollout_rows
-from tasks import Problem, encode_prompts
 
 # Trains or decodes a model: CI runs these again under ATEN_CPU_CAPABILITY=default (plain kernels).
 pytestmark = pytest.mark.model

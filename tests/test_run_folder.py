@@ -263,7 +263,7 @@ def test_float_and_range_flags_are_checked_before_anything_runs(tmp_path, args, 
 
 
 def test_weights_that_are_not_finite_stop_the_run_before_they_are_saved(tok):
-    import tiny
+    from engine import tiny
 
     model = tiny.build_model(tok, seed=0)
     train.check_finite_weights(model, "here")  # finite: nothing happens

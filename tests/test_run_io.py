@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-import run_io
+from bookkeeping import run_io
 from config import Config, ConfigError, resolve
 from conftest import needs
 

@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from conftest import needs
-from corrections import corrected_policy_loss, corrected_surrogate, mis_keep_mask, sampler_mismatch_stats
 from objective import aggregation_total
+from variants.corrections import corrected_policy_loss, corrected_surrogate, mis_keep_mask, sampler_mismatch_stats
 
 EPS_LO, EPS_HI, MAX_NEW = 0.2, 0.28, 7
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from corrections import corrected_policy_loss, mis_keep_mask, sampler_mismatch_stats
 from objective import aggregation_total, kl_penalty
-from reinforce import rec_loss
+from variants.corrections import corrected_policy_loss, mis_keep_mask, sampler_mismatch_stats
+from variants.reinforce import rec_loss
 
 EPS_LO, EPS_HI, MAX_NEW = 0.2, 0.28, 7
 

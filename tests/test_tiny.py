@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import tiny
+from engine import tiny
 
 # Trains or decodes a model: CI runs these again under ATEN_CPU_CAPABILITY=default (plain kernels).
 pytestmark = pytest.mark.model

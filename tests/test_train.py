@@ -14,11 +14,11 @@ from safetensors.torch import load_file
 import step
 import train
 from advantage import group_advantages
-from chunked_logprobs import chunked_token_logprobs
 from config import Config, build_parser, resolve
 from conftest import ROOT, TEST_WARMUP, shared_data
+from engine.chunked_logprobs import chunked_token_logprobs
+from problems.tasks import Problem, encode_prompts, load_task
 from rollout import generate
-from tasks import Problem, encode_prompts, load_task
 
 # Trains or decodes a model: CI runs these again under ATEN_CPU_CAPABILITY=default (plain kernels).
 pytestmark = pytest.mark.model
@@ -126,8 +126,8 @@ def test_micro_batched_gradient_equals_whole_batch(model, tok, agg):
 def test_mis_on_a_stale_step_micro_batched_equals_policy_loss_on_the_whole_batch(model, tok, agg, center, is_cap):
     # MIS's normaliser depends on log pi_k, which update() records during its first epoch: the gradient
     # of every micro-batching must still be objective.policy_loss's on the whole batch.
-    from corrections import corrected_policy_loss, mis_keep_mask
     from objective import aggregation_total
+    from variants.corrections import corrected_policy_loss, mis_keep_mask
 
     batch = make_batch(model, tok, seed=3)
     noise = 0.4 * torch.randn(batch.completion_mask.shape, generator=torch.Generator().manual_seed(1))

@@ -18,14 +18,14 @@ import torch  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 from trl_testing import G, make_trainer, noisy, rows, save_policy, sequences  # noqa: E402
 
-import corrections  # noqa: E402
 import objective  # noqa: E402
 import step  # noqa: E402
 from advantage import group_advantages  # noqa: E402
-from chunked_logprobs import chunked_token_logprobs  # noqa: E402
 from config import Config  # noqa: E402
+from engine.chunked_logprobs import chunked_token_logprobs  # noqa: E402
 from integrations import trl_grpo  # noqa: E402
 from integrations.trl_grpo import OffPolicyGRPOConfig, checksum  # noqa: E402
+from variants import corrections  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from trl_testing import Recorder, make_trainer, rows, save_policy, sequences  # noqa: E402
 
-from chunked_logprobs import chunked_token_logprobs  # noqa: E402
 from conftest import ROOT  # noqa: E402
+from engine.chunked_logprobs import chunked_token_logprobs  # noqa: E402
 from integrations import trl_grpo  # noqa: E402
 from integrations.trl_grpo import checksum  # noqa: E402
 

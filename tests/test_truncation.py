@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from chunked_logprobs import SelectedLogProb, chunked_token_logprobs
 from config import Config, resolve
-from decoding import static_sampler
+from engine.chunked_logprobs import SelectedLogProb, chunked_token_logprobs
+from engine.decoding import static_sampler
 from logprobs import Truncation, kept_tokens, sampling_logits, token_logprobs
+from problems.tasks import Problem, encode_prompts
 from rollout import generate
-from tasks import Problem, encode_prompts
 
 # A vocabulary of five tokens with probabilities written out: p = (0.5, 0.25, 0.15, 0.1, 0) up to the
 # last token, whose logit is far below the others (p ~ 1e-9, so it is dropped by every cut below).

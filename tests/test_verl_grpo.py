@@ -27,12 +27,14 @@ from verl.trainer.ppo.core_algos import get_adv_estimator_fn, get_policy_loss_fn
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch  # noqa: E402
 from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
 
-import corrections  # noqa: E402
 import objective  # noqa: E402
-import reinforce  # noqa: E402
 from integrations import verl_grpo  # noqa: E402
 from objective import policy_loss  # noqa: E402
-from reinforce import opmd_loss, rec_loss  # noqa: E402
+from variants import (
+    corrections,  # noqa: E402
+    reinforce,  # noqa: E402
+)
+from variants.reinforce import opmd_loss, rec_loss  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]

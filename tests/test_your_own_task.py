@@ -25,13 +25,13 @@ import pytest
 import torch
 
 import config
-import rewards
-import tasks
 import train
 from conftest import ROOT, TEST_WARMUP, needs, shared_data
-from math_verifier import symbolic_reward
-from rewards import MathVerifier, RewardError, Rewards, RewardState, load_reward
-from tasks import Problem, Prompting, TaskError, load_dataset_problems, render_prompt
+from problems import tasks
+from problems import user_rewards as rewards
+from problems.math_verifier import symbolic_reward
+from problems.tasks import Problem, Prompting, TaskError, load_dataset_problems, render_prompt
+from problems.user_rewards import MathVerifier, RewardError, Rewards, RewardState, load_reward
 
 pytestmark = pytest.mark.model  # trains or decodes a model: CI runs these again under plain kernels
 
@@ -652,7 +652,7 @@ def test_the_same_function_is_a_reward_funcs_entry_of_the_trl_integration(tmp_pa
     from datasets import Dataset
     from trl_testing import G, save_policy
 
-    import tiny as tiny_policy
+    from engine import tiny as tiny_policy
     from integrations.trl_grpo import OffPolicyGRPOConfig, OffPolicyGRPOTrainer
 
     (tmp_path / "mine.py").write_text(USER_REWARDS)

@@ -5,12 +5,12 @@ import torch
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
-import tiny
-from chunked_logprobs import chunked_token_logprobs
 from conftest import TEST_WARMUP
+from engine import tiny
+from engine.chunked_logprobs import chunked_token_logprobs
 from integrations import trl_grpo
 from integrations.trl_grpo import OffPolicyGRPOConfig, OffPolicyGRPOTrainer, checksum
-from tasks import arithmetic_problems
+from problems.tasks import arithmetic_problems
 
 G = 4  # completions per prompt in these tests
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import atomic_save_pretrained, umask_mode
+from bookkeeping.checkpoint import atomic_save_pretrained, umask_mode
 from config import Config, ConfigError
 
 LOCK = ".lock"  # holds the writer's pid; locked (flock) while it runs

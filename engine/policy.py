@@ -76,7 +76,7 @@ def load_policy(cfg: Config, log=print):
     """
     gguf_path = None if cfg.model == "tiny" else gguf_file(cfg.model)
     if cfg.model == "tiny":
-        from tiny import load_tiny
+        from engine.tiny import load_tiny
 
         if cfg.task != "arithmetic":
             raise ConfigError(f"--model tiny only knows --task arithmetic; name a real model for --task {cfg.task}")

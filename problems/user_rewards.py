@@ -49,9 +49,9 @@ from pathlib import Path
 
 import torch
 
-from math_verifier import symbolic_reward
+from problems.math_verifier import symbolic_reward
+from problems.tasks import gold_answer
 from reward import math_reward
-from tasks import gold_answer
 
 BUILTIN = ("math", "math-symbolic")
 # Keyword arguments of the call; a data set's column of the same name is not passed (TRL drops its own likewise).

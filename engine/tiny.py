@@ -13,7 +13,7 @@ The warm-up's result is shipped in `tiny_policy/` (4 MB, `save_pretrained` forma
 loads it from there. Why ship it: 1000 supervised steps at a constant learning rate are chaotic in the
 float rounding, and torch picks AVX2, AVX-512 or plain kernels per machine, so the same recipe left the
 policy anywhere from 32% to 85% held-out accuracy on different CPUs. With the weights shipped every
-machine starts from the same policy. `python tiny.py --rebuild` runs the warm-up again and rewrites
+machine starts from the same policy. `python -m engine.tiny --rebuild` runs the warm-up again and rewrites
 `tiny_policy/`; any other `--warmup-steps` warms up from scratch on this machine and caches the result
 under `--cache-dir`, keyed by what determines it. Either way it is an ordinary transformers model:
 everything downstream (rollout, log-probs, training, `from_pretrained` of the final checkpoint) is the
@@ -28,13 +28,13 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from checkpoint import atomic_save_pretrained
-from tasks import Problem, arithmetic_problems
+from bookkeeping.checkpoint import atomic_save_pretrained
+from problems.tasks import Problem, arithmetic_problems
 
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
 CHARS = "0123456789+-*="
 VERSION = 2  # bump when the model, tokenizer or warm-up recipe changes: invalidates caches
-SHIPPED = Path(__file__).resolve().parent / "tiny_policy"  # the warm-up's result, made by `python tiny.py --rebuild`
+SHIPPED = Path(__file__).resolve().parents[1] / "tiny_policy"  # the warm-up's result: `python -m engine.tiny --rebuild`
 SHIPPED_WARMUP = 1000  # the warm-up steps that made SHIPPED: `--warmup-steps 1000` (the default) loads it
 
 
