@@ -1,7 +1,7 @@
 """[A]'s objective: the clipped off-policy surrogate with a KL penalty, and the aggregation every loss shares.
 
-The default (train.py's flags as they stand): clip centred on pi_k with eps = 0.2, beta = 0 (no KL term), the
-token mean over the loss's tokens, one inner step (i = 1). At that step's only gradient pi_theta = pi_k, so
+The default (config.py's flags as they stand): clip centred on pi_k with eps = 0.2, beta = 0 (no KL term), the
+token mean over the loss's tokens, one inner step (mu = 1). At that step's only gradient pi_theta = pi_k, so
 rho = rho' lies inside its interval [rho' - eps, rho' + eps], the clip does not act, and
 
     grad loss = - (1 / |T|) sum_{(i, t) in T} rho'_it A_i grad log pi_theta(y_it),   rho' = pi_k / alpha,
@@ -15,8 +15,10 @@ The log-probs of the sampled completion tokens, each (N, T), named as in docs/de
     alpha_logp  log alpha      the sampler: pi_theta at the last refresh, up to v - 1 steps old
     ref_logp    log pi_ref     the KL reference (None: no KL term)
 and a `loss_mask` (N, T): 1 on the tokens that count, the completion tokens up to and including EOS of the
-groups that carry signal. AReaL's, TIS's and MIS's corrections are in corrections.py, [B]'s losses in
-reinforce.py; both reuse this file's KL estimators and aggregation.
+groups that carry signal. The surrogate also has the other engines' staleness corrections: AReaL's decoupled
+objective (clip_center="decoupled"), and the weight (TIS) and kept tokens (MIS) that variants/corrections.py
+computes as `policy_loss`'s `weight` and `keep`. [B]'s losses are in variants/reinforce.py, which reuses this
+file's KL estimators and aggregation.
 
 Deviations from [A]:
   1. [A] averages per sequence (seq-mean); the default here is token-mean, which has no length bias
@@ -31,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-CLIP_CENTERS = ("pi_k", "alpha")  # corrections.py adds "decoupled"
+CLIP_CENTERS = ("pi_k", "alpha", "decoupled")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token-mean", "seq-mean", "constant")
 
@@ -53,35 +55,63 @@ def policy_loss(
     agg: str = "token-mean",
     max_new_tokens: int | None = None,
     total: float | None = None,
+    weight: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """[A]'s clipped off-policy surrogate with a KL penalty, as a loss to minimise (Algorithm 1, the update):
 
-        loss = - agg_t [ min(rho_t A, clip(rho_t, lo_t, hi_t) A) - beta w_t kl_t ]
+        loss = - agg_{t in K} [ o_t - beta kl_t ]
 
+        o_t = min(rho_t A, clip(rho_t, lo_t, hi_t) A)                    clip_center "pi_k" or "alpha"
+            = w_t min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A)      clip_center="decoupled" (AReaL)
         rho_t = pi_theta(y_t) / alpha(y_t) (with grad),   rho'_t = pi_k(y_t) / alpha(y_t) (a constant)
+        r_t = pi_theta(y_t) / pi_k(y_t) = rho_t / rho'_t (with grad)
         [lo_t, hi_t] = [max(rho'_t - eps_low, 0), rho'_t + eps_high]   clip_center="pi_k"   ([A]'s f_eps)
                      = [1 - eps_low, 1 + eps_high]                     clip_center="alpha"  (PPO)
-        kl_t = `kl_penalty`;   w_t = rho_t with kl_importance_weight, else 1;   agg = `aggregate`
+        w_t = `weight` (a constant: TIS passes min(rho^L, C)), rho'_t when None; 0 on a token keep drops
+        K = the tokens of loss_mask that `keep` keeps (MIS), all of them when None: a dropped token leaves the sum
+            and the normaliser, its KL term too, whatever the centre
+        kl_t = `kl_penalty`, times rho_t with kl_importance_weight;   agg = `aggregate` over K
 
     [A] centres the clip on where rho stood at the start of the step, so that a stale sampler does not clip a
-    token merely for being stale. A: advantages, (N,) or (N, T); clip_eps_high None is clip_eps; a micro-batch
-    passes its whole step's `total`. Returns the loss and `loss_stats` over loss_mask's tokens.
+    token merely for being stale. AReaL (Fu et al. 2025) decouples the clip's two jobs: r is clipped around 1 (a
+    trust region around pi_k), and rho' corrects for the sampler as a separate weight. Wherever rho' > eps_low,
+    [A]'s o_t equals rho' min(r A, clip(r, 1 - eps_low/rho', 1 + eps_high/rho') A): the uncapped decoupled
+    objective with a trust region in r that narrows as rho' grows (docs/design.md derives it). At a refresh
+    rho' = 1, w = 1 (TIS caps at C >= 1), and the three centres coincide.
+
+    A: advantages, (N,) or (N, T); clip_eps_high None is clip_eps; a micro-batch passes its whole step's `total`
+    (with keep: the kept tokens' count, `corrections.mis_keep_mask`). weight: (N, T) or (N, 1), decoupled centre
+    only; keep: bool (N, T). `corrections.correction_args` computes both for TIS and MIS (rho^L, C and M are
+    defined there). Returns the loss and `loss_stats` over loss_mask's tokens, those keep drops included; the
+    clip fractions never count a dropped token.
     """
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
     alpha_logp, pi_k_logp, ref_logp = neutral_outside(loss_mask, logp, alpha_logp, pi_k_logp, ref_logp)
+    if weight is not None:  # 1 outside the mask, as the ratios there: an inf on padding must not make nan
+        weight = torch.where(loss_mask > 0, weight.detach(), 1.0)  # (N, T)
     objective, rho, clip_low, clip_high = surrogate(
-        logp, alpha_logp, pi_k_logp, advantages, clip_eps=clip_eps, clip_eps_high=clip_eps_high, clip_center=clip_center
+        logp,
+        alpha_logp,
+        pi_k_logp,
+        advantages,
+        clip_eps=clip_eps,
+        clip_eps_high=clip_eps_high,
+        clip_center=clip_center,
+        weight=weight,
+        keep=keep,
     )
+    kept = loss_mask if keep is None else loss_mask * keep  # (N, T) MIS: what stays in the loss and its normaliser
     kl_weight = rho if kl_importance_weight else None
     loss, kl = penalised_loss(
-        objective, logp, ref_logp, loss_mask, beta, kl_estimator, agg, max_new_tokens, total, kl_weight
+        objective, logp, ref_logp, kept, beta, kl_estimator, agg, max_new_tokens, total, kl_weight
     )
     return loss, loss_stats(loss_mask, rho, clip_low, clip_high, kl)
 
 
 class Surrogate(NamedTuple):
-    """`surrogate`'s result, all (N, T)."""
+    """`surrogate`'s result, all (N, T). The clip fractions never count a token keep dropped."""
 
     objective: torch.Tensor  # o_t, with grad
     rho: torch.Tensor  # pi_theta / alpha, with grad
@@ -90,12 +120,13 @@ class Surrogate(NamedTuple):
 
 
 def clip_interval(rho_prime: torch.Tensor, clip_center: str, eps_low: float, eps_high: float):
-    """The interval [lo, hi] that rho = pi_theta / alpha is clipped to, each (N, T). See `policy_loss`."""
+    """The interval [lo, hi], each (N, T), that the clipped ratio is clipped to: rho = pi_theta / alpha, or
+    r = pi_theta / pi_k for clip_center="decoupled". See `policy_loss`."""
     if clip_center == "pi_k":
         return (rho_prime - eps_low).clamp(min=0.0), rho_prime + eps_high
-    if clip_center == "alpha":
+    if clip_center in ("alpha", "decoupled"):
         return torch.full_like(rho_prime, 1.0 - eps_low), torch.full_like(rho_prime, 1.0 + eps_high)
-    raise ValueError(f"clip_center must be one of {CLIP_CENTERS} (decoupled: corrections.py), got {clip_center!r}")
+    raise ValueError(f"clip_center must be one of {CLIP_CENTERS}, got {clip_center!r}")
 
 
 def surrogate(
@@ -107,22 +138,42 @@ def surrogate(
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
     clip_center: str = "pi_k",
+    weight: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
 ) -> Surrogate:
     """The per-token clipped surrogate o_t of `policy_loss`, before the KL term and the aggregation (an engine
-    with its own aggregation calls this alone: integrations/verl_grpo.py)."""
+    with its own aggregation calls this alone: integrations/verl_grpo.py). With `keep`, a dropped token's
+    decoupled weight is 0 and the clip fractions skip it; the caller leaves it out of the mask it aggregates with."""
+    if clip_center not in CLIP_CENTERS:
+        raise ValueError(f"clip_center must be one of {CLIP_CENTERS}, got {clip_center!r}")
+    if weight is not None and clip_center != "decoupled":
+        raise ValueError(f"weight is the w_t of clip_center='decoupled'; {clip_center!r} has none")
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     A = token_advantages(advantages, logp.dtype)  # (N, 1) or (N, T)
     alpha_logp = alpha_logp.detach()
     rho = torch.exp(logp - alpha_logp)  # (N, T) carries the gradient
-    rho_prime = torch.exp(pi_k_logp.detach() - alpha_logp)  # (N, T) 1 at a refresh, where alpha = pi_k
+    # (N, T) 1 at a refresh, where alpha = pi_k: exactly when log alpha is the trainer's own forward (the default,
+    # --alpha-logp-from recompute), only approximately with --alpha-logp-from sampler (the sampler's numerics)
+    rho_prime = torch.exp(pi_k_logp.detach() - alpha_logp)
     lo, hi = clip_interval(rho_prime, clip_center, clip_eps, eps_high)  # (N, T) each
-    unclipped = rho * A  # (N, T)
-    clipped = torch.clamp(rho, lo, hi) * A  # (N, T)
-    objective = torch.min(unclipped, clipped)  # (N, T) [A]'s f_eps(rho, rho', A)
-    # The min() takes the clipped branch, whose gradient is 0, exactly when rho has left the interval on the
-    # side the advantage pushes it towards.
-    clip_high = (rho > hi) & (A > 0)  # (N, T)
-    clip_low = (rho < lo) & (A < 0)  # (N, T)
+    ratio, w = rho, None  # the clipped ratio and the decoupled weight
+    if clip_center == "decoupled":
+        ratio = torch.exp(logp - pi_k_logp.detach())  # (N, T) r = pi_theta / pi_k, carries the gradient
+        w = rho_prime if weight is None else weight.detach().to(rho_prime.dtype)  # (N, T) or (N, 1) a constant
+        if keep is not None:
+            # A dropped token's weight is 0, not rho': an overflowing rho' = inf would make inf * 0 = nan.
+            w = torch.where(keep, w, torch.zeros_like(w))  # (N, T)
+    unclipped = ratio * A  # (N, T)
+    clipped = torch.clamp(ratio, lo, hi) * A  # (N, T)
+    objective = torch.min(unclipped, clipped)  # (N, T) [A]'s f_eps(rho, rho', A), or AReaL's before w
+    if w is not None:
+        objective = w * objective  # (N, T) the decoupled objective
+    # The min() takes the clipped branch, whose gradient is 0, exactly when the ratio has left the interval on
+    # the side the advantage pushes it towards.
+    clip_high = (ratio > hi) & (A > 0)  # (N, T)
+    clip_low = (ratio < lo) & (A < 0)  # (N, T)
+    if keep is not None:  # a token MIS dropped has no gradient to clip
+        clip_high, clip_low = clip_high & keep, clip_low & keep  # (N, T)
     return Surrogate(objective, rho, clip_low, clip_high)
 
 
@@ -233,7 +284,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 
 def loss_stats(loss_mask, rho, clip_low, clip_high, kl) -> dict:
     """A loss's statistics as floats over the mask's tokens (the clip fractions count tokens whose gradient the
-    clip removed); `tokens` is the count, by which step.update averages its micro-batches."""
+    clip removed); `tokens` is the count, by which train.update averages its micro-batches."""
     mask = loss_mask.to(rho.dtype)  # (N, T)
     with torch.no_grad():
         return {

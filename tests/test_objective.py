@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from advantage import group_advantages, red_drop, red_weight
-from objective import aggregation_total, policy_loss
-from variants.corrections import corrected_policy_loss, corrected_surrogate
+from objective import aggregation_total, policy_loss, surrogate
+from variants.corrections import correction_args
 from variants.reinforce import opmd_loss, opmd_per_token, rec_loss, rec_per_token
 
 # --------------------------------------------------------------------------- advantages
@@ -276,14 +276,15 @@ def test_per_token_terms_take_per_sequence_or_per_token_advantages(center):
     # verl_grpo.py passes A already broadcast over the response, (N, T); the losses pass (N,). Same terms.
     logp, alpha_logp, pi_k_logp, _, adv, _ = random_batch(1, n=8, t=6, spread=0.5)
     adv_tok = adv.unsqueeze(1).expand_as(logp)  # (N, T)
-    kw = dict(clip_eps=0.2, clip_eps_high=0.28, clip_center=center, is_mask=2.0)
-    per_seq = corrected_surrogate(logp, alpha_logp, pi_k_logp, adv, **kw)
-    per_tok = corrected_surrogate(logp, alpha_logp, pi_k_logp, adv_tok, **kw)
+    extra = correction_args(alpha_logp, pi_k_logp, None, clip_center=center, is_mask=2.0)  # MIS's keep
+    kw = dict(clip_eps=0.2, clip_eps_high=0.28, clip_center=center, **extra)
+    per_seq = surrogate(logp, alpha_logp, pi_k_logp, adv, **kw)
+    per_tok = surrogate(logp, alpha_logp, pi_k_logp, adv_tok, **kw)
     for a, b in zip(per_seq, per_tok, strict=True):
         assert a.shape == logp.shape and torch.equal(a, b)
     # The batch has clipped tokens on both sides and MIS-dropped ones, so the masks are not trivially equal.
-    _, _, clip_low, clip_high, keep = per_seq
-    assert clip_low.any() and clip_high.any() and not keep.all()
+    _, _, clip_low, clip_high = per_seq
+    assert clip_low.any() and clip_high.any() and not extra["keep"].all()
     for a, b in zip(
         rec_per_token(logp, alpha_logp, adv, importance_weight=True),
         rec_per_token(logp, alpha_logp, adv_tok, importance_weight=True),
@@ -298,22 +299,36 @@ def test_per_token_terms_take_per_sequence_or_per_token_advantages(center):
         assert a.shape == logp.shape and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("center", ["pi_k", "alpha"])
+@pytest.mark.parametrize("center", ["pi_k", "alpha", "decoupled"])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "constant"])
-def test_corrected_loss_without_a_correction_is_the_policy_loss_bit_for_bit(center, agg):
-    # corrections.py restates the clip of the two centres through objective.clip_interval; with no weight, cap or
-    # mask it must be [A]'s (or PPO's) loss exactly, in value, gradient and statistics.
+def test_neutral_weight_and_keep_are_the_plain_loss_bit_for_bit(center, agg):
+    # The training step always passes **correction_args(...): without TIS or MIS it passes nothing, and a keep that
+    # keeps every token (and, for the decoupled centre, an explicit weight w = rho') must be the plain loss exactly,
+    # in value, gradient and statistics: the corrections add operations only where they act.
     logp, alpha_logp, pi_k_logp, ref_logp, adv, mask = random_batch(seed=11)
+    assert correction_args(alpha_logp, pi_k_logp, mask, clip_center=center) == {"weight": None, "keep": None}
+    alpha_logp[mask == 0] -= 1000.0  # rho' = inf on padding: an explicit weight must not turn it into nan
     kw = dict(clip_eps=0.2, clip_eps_high=0.28, clip_center=center, beta=0.1, agg=agg, max_new_tokens=7)
+    neutral = [{}, {"keep": torch.ones_like(mask, dtype=torch.bool)}]
+    if center == "decoupled":
+        neutral.append({"weight": torch.exp(pi_k_logp - alpha_logp)})
     results = []
-    for loss_of in (policy_loss, corrected_policy_loss):
+    for extra in neutral:
         x = logp.clone().requires_grad_(True)
-        loss, stats = loss_of(x, alpha_logp, pi_k_logp, ref_logp, adv, mask, **kw)
+        loss, stats = policy_loss(x, alpha_logp, pi_k_logp, ref_logp, adv, mask, **kw, **extra)
         loss.backward()
         results.append((loss.detach(), x.grad, stats))
-    (loss_a, grad_a, stats_a), (loss_b, grad_b, stats_b) = results
-    assert torch.equal(loss_a, loss_b) and torch.equal(grad_a, grad_b) and stats_a == stats_b
-    assert stats_a["clip_low"] + stats_a["clip_high"] > 0  # the clip acts on this batch
+    loss_a, grad_a, stats_a = results[0]
+    assert torch.isfinite(grad_a).all() and stats_a["clip_low"] + stats_a["clip_high"] > 0  # the clip acts here
+    for loss_b, grad_b, stats_b in results[1:]:
+        assert torch.equal(loss_a, loss_b) and torch.equal(grad_a, grad_b) and stats_a == stats_b
+
+
+@pytest.mark.parametrize("center", ["pi_k", "alpha"])
+def test_a_weight_needs_the_decoupled_centre(center):
+    logp, alpha_logp, pi_k_logp, _, adv, mask = random_batch(seed=12)
+    with pytest.raises(ValueError, match="weight"):
+        policy_loss(logp, alpha_logp, pi_k_logp, None, adv, mask, clip_center=center, weight=torch.ones_like(logp))
 
 
 def test_the_rho_weighted_kl_estimates_kl_to_the_reference_under_alphas_samples():

@@ -1,6 +1,7 @@
 """Defects a close review found, each pinned by a test that failed before its fix (issue: "the house, part 2")."""
 
 import dataclasses
+import inspect
 import json
 import os
 import subprocess
@@ -9,17 +10,18 @@ import warnings
 
 import pytest
 import torch
+from test_staleness import corrected_loss
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-import step
+import train
 from bookkeeping import run_io
 from config import Config, resolve
 from conftest import ROOT, needs
 from engine.chunked_logprobs import chunked_token_logprobs
-from objective import aggregation_total
+from objective import aggregation_total, surrogate
 from test_train import make_batch
 from variants import corrections, reinforce
-from variants.corrections import corrected_policy_loss, corrected_surrogate, mis_keep_mask
+from variants.corrections import correction_args, mis_keep_mask
 from variants.reinforce import opmd_loss, rec_loss
 
 
@@ -46,9 +48,7 @@ def test_a_token_outside_the_mask_cannot_make_the_loss_or_gradient_non_finite(lo
     else:
         center = loss.split("-")[0] if loss != "mis" else "pi_k"
         kw = dict(is_cap=2.0 if loss == "decoupled-tis" else None, is_mask=4.0 if loss == "mis" else None)
-        value, _ = corrected_policy_loss(
-            logp, alpha_logp, pi_k_logp, ref, adv, mask, clip_center=center, beta=0.1, **kw
-        )
+        value, _ = corrected_loss(logp, alpha_logp, pi_k_logp, ref, adv, mask, clip_center=center, beta=0.1, **kw)
     value.backward()
     assert torch.isfinite(value) and torch.isfinite(logp.grad).all(), (value, logp.grad)
     assert (logp.grad[:, 2] == 0).all()  # the masked-out tokens get no gradient
@@ -59,14 +59,15 @@ def test_a_token_outside_the_mask_cannot_make_the_loss_or_gradient_non_finite(lo
     elif loss == "opmd":
         expected, _ = opmd_loss(sub[0], sub[1], sub[4], sub[5])
     else:
-        expected, _ = corrected_policy_loss(*sub, clip_center=center, beta=0.1, **kw)
+        expected, _ = corrected_loss(*sub, clip_center=center, beta=0.1, **kw)
     assert value.item() == pytest.approx(expected.item(), rel=1e-12)
 
 
 def test_per_token_terms_are_named_tuples():
     logp, alpha_logp, pi_k_logp, _, adv, mask = overflow_outside_the_mask()
-    o = corrected_surrogate(logp[:, :2], alpha_logp[:, :2], pi_k_logp[:, :2], adv, is_mask=4.0)
-    assert o.objective.shape == o.rho.shape == o.clip_low.shape == o.clip_high.shape == o.keep.shape == (2, 2)
+    extra = correction_args(alpha_logp[:, :2], pi_k_logp[:, :2], mask[:, :2], clip_center="decoupled", is_mask=4.0)
+    o = surrogate(logp[:, :2], alpha_logp[:, :2], pi_k_logp[:, :2], adv, clip_center="decoupled", **extra)
+    assert o.objective.shape == o.rho.shape == o.clip_low.shape == o.clip_high.shape == extra["keep"].shape == (2, 2)
     r = reinforce.rec_per_token(logp[:, :2], alpha_logp[:, :2], adv)
     assert r.objective.shape == r.rho.shape == r.clip_low.shape == r.clip_high.shape == (2, 2)
     m = reinforce.opmd_per_token(logp[:, :2], alpha_logp[:, :2], adv)
@@ -95,7 +96,7 @@ def test_dropout_is_off_in_every_log_prob_pass(tok):
     model = dropout_model(tok)
     batch = make_batch(model, tok)
     cfg = resolve(Config(group_size=4, prompts_per_step=4, out="/tmp/unused", lr=0.0))
-    stats, pi_k = step.update(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0), batch, None)
+    stats, pi_k = train.update(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0), batch, None)
     model.eval()
     with torch.no_grad():
         eval_logp = chunked_token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
@@ -104,7 +105,7 @@ def test_dropout_is_off_in_every_log_prob_pass(tok):
     assert stats["rho_mean"] == 1.0 and stats["clip_low"] == stats["clip_high"] == 0.0
 
 
-def test_update_calls_the_loss_by_keyword_with_the_final_normaliser_and_the_mismatch_once(model, tok, monkeypatch):
+def test_update_gives_every_micro_batch_the_final_normaliser_and_computes_the_mismatch_once(model, tok, monkeypatch):
     # A stale step with MIS, micro-batched: every micro-batch's loss gets the whole step's MIS normaliser.
     batch = make_batch(model, tok)
     with torch.no_grad():
@@ -112,16 +113,18 @@ def test_update_calls_the_loss_by_keyword_with_the_final_normaliser_and_the_mism
     alpha_logp = logp + 0.8 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(0))
     cfg = resolve(Config(group_size=4, prompts_per_step=4, out="/tmp/unused", micro_batch=4, is_mask=1.5))
     calls, stats_calls = [], []
-    real_loss, real_stats = step.corrected_policy_loss, step.sampler_mismatch_stats
-    monkeypatch.setattr(step, "corrected_policy_loss", lambda *a, **kw: calls.append((a, kw)) or real_loss(*a, **kw))
+    real_loss, real_stats = train.policy_loss, train.sampler_mismatch_stats
+    signature = inspect.signature(real_loss)
+    record = lambda *a, **kw: calls.append(signature.bind(*a, **kw).arguments) or real_loss(*a, **kw)
+    monkeypatch.setattr(train, "policy_loss", record)
     monkeypatch.setattr(corrections, "sampler_mismatch_stats", lambda *a, **kw: pytest.fail("the loss computes it"))
-    monkeypatch.setattr(step, "sampler_mismatch_stats", lambda *a, **kw: stats_calls.append(1) or real_stats(*a, **kw))
+    monkeypatch.setattr(train, "sampler_mismatch_stats", lambda *a, **kw: stats_calls.append(1) or real_stats(*a, **kw))
     stale = dataclasses.replace(batch, alpha_logp=alpha_logp)
-    step.update(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0), stale, None)
+    train.update(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0), stale, None)
     keep = mis_keep_mask(alpha_logp, logp, 1.5)
     expected = aggregation_total(batch.loss_mask * keep, cfg.agg, cfg.max_new_tokens)
-    assert len(calls) == 4 and all(a == () for a, _ in calls)  # keywords only
-    assert {kw["total"] for _, kw in calls} == {expected} and expected < batch.loss_mask.sum().item()
+    assert len(calls) == 4 and all(c["keep"] is not None for c in calls)  # MIS's keep reaches every micro-batch
+    assert {c["total"] for c in calls} == {expected} and expected < batch.loss_mask.sum().item()
     assert stats_calls == [1]
 
 

@@ -1,5 +1,6 @@
-"""The sequence-level staleness corrections of objective.py (`is_level="sequence"` / `"geometric"`) against a plain
-Python loop (value and gradient), hand-built overflow cases, and the engines they are named after.
+"""The sequence-level staleness corrections (corrections.correction_args, `is_level="sequence"` / `"geometric"`,
+as objective.policy_loss's weight and keep) against a plain Python loop (value and gradient), hand-built overflow
+cases, and the engines they are named after.
 
 The engines' settings, with the sources read (TRL 1.16.0 as installed, verl 0.9.1 in .venv-verl):
 - TRL: trl/trainer/grpo_trainer.py, `_generate_and_score_completions` l. 2660-2707 computes the ratio inline:
@@ -25,10 +26,11 @@ import math
 
 import pytest
 import torch
+from test_staleness import corrected_loss
 
 from conftest import needs
-from objective import aggregation_total
-from variants.corrections import corrected_policy_loss, corrected_surrogate, mis_keep_mask, sampler_mismatch_stats
+from objective import aggregation_total, surrogate
+from variants.corrections import correction_args, mis_keep_mask, sampler_mismatch_stats
 
 EPS_LO, EPS_HI, MAX_NEW = 0.2, 0.28, 7
 
@@ -112,7 +114,7 @@ def test_sequence_forms_match_the_loop_in_value_and_gradient(level, center, cap,
         assert any(1 / bound <= x <= bound for x in ratios), ratios
     kw = dict(clip_eps=EPS_LO, clip_eps_high=EPS_HI, clip_center=center, beta=beta, agg=agg, max_new_tokens=MAX_NEW)
     x = logp.clone().requires_grad_(True)
-    loss, _ = corrected_policy_loss(
+    loss, _ = corrected_loss(
         x, alpha_logp, pi_k_logp, ref_logp, adv, mask, is_cap=cap, is_mask=mis, is_level=level, **kw
     )
     loss.backward()
@@ -143,18 +145,10 @@ def test_keep_mask_statistics_and_micro_batches_follow_the_sequence(level):
     logp, alpha_logp, pi_k_logp, ref_logp, adv, mask = batch(seed=5)
     cap, mis = CAP[level], BAND[level]
     keep = mis_keep_mask(alpha_logp, pi_k_logp, mis, loss_mask=mask, is_level=level)  # (N, T)
-    terms = corrected_surrogate(
-        logp,
-        alpha_logp,
-        pi_k_logp,
-        adv,
-        clip_center="decoupled",
-        is_cap=cap,
-        is_mask=mis,
-        is_level=level,
-        loss_mask=mask,
+    extra = correction_args(
+        alpha_logp, pi_k_logp, mask, clip_center="decoupled", is_cap=cap, is_mask=mis, is_level=level
     )
-    assert keep.shape == mask.shape and torch.equal(keep, terms.keep)
+    assert keep.shape == mask.shape and torch.equal(keep, extra["keep"])
     valid = [i for i in range(10) if mask[i].any()]
     ratios = {i: level_ratio_loop(alpha_logp.tolist(), pi_k_logp.tolist(), mask.tolist(), i, level) for i in valid}
     for i in valid:  # a whole sequence is kept or dropped
@@ -169,12 +163,12 @@ def test_keep_mask_statistics_and_micro_batches_follow_the_sequence(level):
     # Row micro-batches with the whole step's normaliser add up to the whole step (a sequence's ratio is its own).
     kw = dict(clip_center="decoupled", beta=0.1, is_cap=cap, is_mask=mis, is_level=level)
     for agg in ("token-mean", "seq-mean", "constant"):
-        whole, _ = corrected_policy_loss(
+        whole, _ = corrected_loss(
             logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, agg=agg, max_new_tokens=MAX_NEW, **kw
         )
         total = aggregation_total(mask * keep, agg, MAX_NEW)
         parts = sum(
-            corrected_policy_loss(
+            corrected_loss(
                 *(v[s : s + 3] for v in (logp, alpha_logp, pi_k_logp, ref_logp, adv, mask)),
                 agg=agg,
                 max_new_tokens=MAX_NEW,
@@ -197,7 +191,7 @@ def test_an_overflowing_sequence_ratio_is_masked_or_capped_never_nan():
     for level in ("sequence", "geometric"):
         for cap, mis in ((3.0, None), (None, 3.0), (3.0, 3.0)):
             x = pi_k_logp.clone().requires_grad_(True)  # pi_theta = pi_k: r = 1, so o_t = w_t A and d o_t = w_t A
-            loss, _ = corrected_policy_loss(
+            loss, _ = corrected_loss(
                 x,
                 alpha_logp,
                 pi_k_logp,
@@ -228,10 +222,10 @@ def test_bad_levels_are_one_line_errors():
     ]
     for kw, message in bad:
         with pytest.raises(ValueError, match=message) as err:
-            corrected_policy_loss(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, **kw)
+            corrected_loss(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, **kw)
         assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="needs loss_mask"):
-        corrected_surrogate(logp, alpha_logp, pi_k_logp, adv, is_mask=2.0, is_level="sequence")
+        correction_args(alpha_logp, pi_k_logp, None, clip_center="pi_k", is_mask=2.0, is_level="sequence")
     with pytest.raises(ValueError, match="needs loss_mask"):
         mis_keep_mask(alpha_logp, pi_k_logp, 2.0, is_level="geometric")
     with pytest.raises(ValueError, match="is_level must be one of"):
@@ -313,17 +307,9 @@ def test_the_product_form_is_stock_trls_sequence_truncate_and_sequence_mask(tok,
     C = M = 3.0
 
     def ours(**kw):  # w_t with r = 1 and A = 1, so o_t = w_t; and the keep mask
-        terms = corrected_surrogate(
-            old,
-            alpha,
-            old,
-            torch.ones(len(rows)),
-            clip_center="decoupled",
-            is_level="sequence",
-            loss_mask=mask,
-            **kw,
-        )
-        return terms.objective, terms.keep
+        extra = correction_args(alpha, old, mask, clip_center="decoupled", is_level="sequence", **kw)
+        o = surrogate(old, alpha, old, torch.ones(len(rows)), clip_center="decoupled", **extra)
+        return o.objective, extra["keep"]
 
     valid = mask.bool()
     runs = [
@@ -377,30 +363,15 @@ def test_the_sequence_forms_are_verls_rollout_correction(level, option):
     logp, alpha_logp, pi_k_logp, _, adv, mask = batch(seed=3)
     mask[0, 0] = 1  # verl wants every sequence to have a valid token
     cap, mis = CAP[level], BAND[level]
-    terms = corrected_surrogate(
-        pi_k_logp,
-        alpha_logp,
-        pi_k_logp,
-        torch.ones_like(adv),
-        clip_center="decoupled",
-        is_cap=cap,
-        is_mask=mis,
-        is_level=level,
-        loss_mask=mask,
-    )
+    keep = correction_args(alpha_logp, pi_k_logp, mask, clip_center="decoupled", is_mask=mis, is_level=level)["keep"]
     rs_mask, _ = compute_rollout_rejection_mask(pi_k_logp - alpha_logp, mask.double(), option, mis)
-    assert torch.equal(rs_mask.bool(), terms.keep & mask.bool()) and 0 < rs_mask.sum() < mask.sum()
+    assert torch.equal(rs_mask.bool(), keep & mask.bool()) and 0 < rs_mask.sum() < mask.sum()
     if level == "sequence":  # verl has no geometric-mean weight
         weights, _ = compute_rollout_correction_weights(pi_k_logp - alpha_logp, mask.double(), "sequence", cap)
-        w = corrected_surrogate(
-            pi_k_logp,
-            alpha_logp,
-            pi_k_logp,
-            torch.ones_like(adv),
-            clip_center="decoupled",
-            is_cap=cap,
-            is_level=level,
-            loss_mask=mask,
+        extra = correction_args(alpha_logp, pi_k_logp, mask, clip_center="decoupled", is_cap=cap, is_level=level)
+        # r = 1 and A = 1: o_t = w_t
+        w = surrogate(
+            pi_k_logp, alpha_logp, pi_k_logp, torch.ones_like(adv), clip_center="decoupled", **extra
         ).objective
         torch.testing.assert_close((w * mask)[1:], weights[1:], rtol=1e-12, atol=1e-12)
         # Sequence 0 is one token with log rho' ~ -300: verl clamps the log-ratio at -20 (its SAFETY_BOUND), we don't.

@@ -1,17 +1,26 @@
-"""The staleness corrections of objective.py against plain Python loops, hand-computed cases and identities:
-AReaL's decoupled objective, truncated (TIS) and masked (MIS) sampler weights, the k1 / k2 / k3 KL
-estimators, the sampler-mismatch statistics, and [A]'s current-centred clip as a decoupled objective."""
+"""The staleness corrections of objective.policy_loss (with corrections.correction_args) against plain Python
+loops, hand-computed cases and identities: AReaL's decoupled objective, truncated (TIS) and masked (MIS) sampler
+weights, the k1 / k2 / k3 KL estimators, the sampler-mismatch statistics, and [A]'s current-centred clip as a
+decoupled objective."""
 
 import math
 
 import pytest
 import torch
 
-from objective import aggregation_total, kl_penalty
-from variants.corrections import corrected_policy_loss, mis_keep_mask, sampler_mismatch_stats
+from objective import aggregation_total, kl_penalty, policy_loss
+from variants.corrections import correction_args, mis_keep_mask, sampler_mismatch_stats
 from variants.reinforce import rec_loss
 
 EPS_LO, EPS_HI, MAX_NEW = 0.2, 0.28, 7
+
+
+def corrected_loss(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, *, clip_center="pi_k", **kw):
+    """objective.policy_loss with TIS / MIS, as the training step calls it: **correction_args(...) for is_cap,
+    is_mask and is_level (also used by test_sequence_is.py and test_review.py)."""
+    chosen = {k: kw.pop(k) for k in ("is_cap", "is_mask", "is_level") if k in kw}
+    extra = correction_args(alpha_logp, pi_k_logp, mask, clip_center=clip_center, **chosen)
+    return policy_loss(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, clip_center=clip_center, **extra, **kw)
 
 
 def loop_loss(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, *, center, agg, beta, kl_estimator, is_cap, is_mask):
@@ -93,7 +102,7 @@ def test_policy_loss_matches_loop_value_and_gradient(center, seed_c, agg, seed_a
     logp, alpha_logp, pi_k_logp, ref_logp, adv, mask = random_batch(seed_c + seed_a + seed_v, n=10, t=6, spread=0.5)
     kw = dict(clip_eps=EPS_LO, clip_eps_high=EPS_HI, clip_center=center, beta=beta, agg=agg, max_new_tokens=MAX_NEW)
     x = logp.clone().requires_grad_(True)
-    loss, stats = corrected_policy_loss(
+    loss, stats = corrected_loss(
         x, alpha_logp, pi_k_logp, ref_logp, adv, mask, **kw, is_cap=is_cap, is_mask=is_mask, kl_estimator=kl_estimator
     )
     loss.backward()
@@ -149,18 +158,16 @@ def test_mis_drops_tokens_from_the_sum_and_the_normaliser():
         # The kept tokens have rho' = 1 and rho = r = 1: each contributes o_t = A = 1.
         kw = dict(clip_center=center, is_mask=2.0, max_new_tokens=4)
         assert (
-            corrected_policy_loss(alpha_logp, alpha_logp, pi_k_logp, None, adv, mask, agg="token-mean", **kw)[0].item()
+            corrected_loss(alpha_logp, alpha_logp, pi_k_logp, None, adv, mask, agg="token-mean", **kw)[0].item()
             == -2 / 2
         )
         # seq-mean: the second sequence has no kept token, so it leaves the count of sequences too.
         assert (
-            corrected_policy_loss(alpha_logp, alpha_logp, pi_k_logp, None, adv, mask, agg="seq-mean", **kw)[0].item()
-            == -1.0
+            corrected_loss(alpha_logp, alpha_logp, pi_k_logp, None, adv, mask, agg="seq-mean", **kw)[0].item() == -1.0
         )
         # constant: N * max_new_tokens does not count tokens, so only the sum changes.
         assert (
-            corrected_policy_loss(alpha_logp, alpha_logp, pi_k_logp, None, adv, mask, agg="constant", **kw)[0].item()
-            == -2 / 8
+            corrected_loss(alpha_logp, alpha_logp, pi_k_logp, None, adv, mask, agg="constant", **kw)[0].item() == -2 / 8
         )
     stats = sampler_mismatch_stats(alpha_logp, pi_k_logp, mask, is_mask=2.0)
     assert stats["is_masked_frac"] == 4 / 6 and stats["is_capped_frac"] == 0.0
@@ -177,7 +184,7 @@ def test_tis_caps_the_weight_of_the_decoupled_objective():
     mask = torch.ones(1, 4)
     for cap, w in ((None, [0.5, 1.5, 3.0, 8.0]), (2.0, [0.5, 1.5, 2.0, 2.0])):
         x = pi_k_logp.clone().requires_grad_(True)
-        loss, _ = corrected_policy_loss(x, alpha_logp, pi_k_logp, None, adv, mask, clip_center="decoupled", is_cap=cap)
+        loss, _ = corrected_loss(x, alpha_logp, pi_k_logp, None, adv, mask, clip_center="decoupled", is_cap=cap)
         loss.backward()
         torch.testing.assert_close(x.grad, -2.0 * torch.tensor([w], dtype=torch.float64) / 4)
         assert loss.item() == pytest.approx(-2.0 * sum(w) / 4)
@@ -197,7 +204,7 @@ def test_decoupled_weight_is_a_constant_for_the_gradient():
     for detach in (True, False):
         x = logp.clone().requires_grad_(True)
         cur = x.detach() if detach else x
-        corrected_policy_loss(x, alpha_logp, cur, None, adv, mask, clip_center="decoupled", is_cap=1.3)[0].backward()
+        corrected_loss(x, alpha_logp, cur, None, adv, mask, clip_center="decoupled", is_cap=1.3)[0].backward()
         grads.append(x.grad)
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
 
@@ -213,7 +220,7 @@ def test_kl_estimators_hand_computed():
         assert kl_penalty(logp, ref, est)[0, 0].item() == pytest.approx(value, rel=1e-12)
         # A = 0: the loss is beta * mean(kl_t).
         x = logp.clone().requires_grad_(True)
-        loss, stats = corrected_policy_loss(
+        loss, stats = corrected_loss(
             x,
             x.detach(),
             x.detach(),
@@ -227,11 +234,11 @@ def test_kl_estimators_hand_computed():
         assert loss.item() == pytest.approx(0.1 * value, rel=1e-12) and stats["kl"] == pytest.approx(value)
         torch.testing.assert_close(x.grad, torch.full((1, 2), 0.1 * slope / 2, dtype=torch.float64))
     # k3 is the default.
-    assert corrected_policy_loss(logp, logp, logp, ref, torch.zeros(1), torch.ones(1, 2), beta=0.1)[1][
-        "kl"
-    ] == pytest.approx(expected["k3"][0])
+    assert corrected_loss(logp, logp, logp, ref, torch.zeros(1), torch.ones(1, 2), beta=0.1)[1]["kl"] == pytest.approx(
+        expected["k3"][0]
+    )
     with pytest.raises(ValueError, match="'k4'"):
-        corrected_policy_loss(logp, logp, logp, ref, torch.zeros(1), torch.ones(1, 2), beta=0.1, kl_estimator="k4")
+        corrected_loss(logp, logp, logp, ref, torch.zeros(1), torch.ones(1, 2), beta=0.1, kl_estimator="k4")
     with pytest.raises(ValueError, match="'k4'"):
         kl_penalty(logp, ref, "k4")
 
@@ -254,7 +261,7 @@ def test_identity_current_centre_is_a_decoupled_objective():
         b, c = alpha_logp[k].view(1, 1), pi_k_logp[k].view(1, 1)
         # Left: [A]'s surrogate through policy_loss (one token: loss = -o_t).
         x = logp[k].view(1, 1).clone().requires_grad_(True)
-        left, st = corrected_policy_loss(x, b, c, None, a, one, clip_eps=EPS_LO, clip_eps_high=EPS_HI)
+        left, st = corrected_loss(x, b, c, None, a, one, clip_eps=EPS_LO, clip_eps_high=EPS_HI)
         left.backward()
         clipped += st["clip_low"] + st["clip_high"] > 0
         # Right, written out: rho' * min(r A, clip(r, 1 - eps_lo/rho', 1 + eps_hi/rho') A).
@@ -264,7 +271,7 @@ def test_identity_current_centre_is_a_decoupled_objective():
         right.backward()
         # Right again, through the shipped decoupled centre with the rescaled widths.
         z = logp[k].view(1, 1).clone().requires_grad_(True)
-        dec, _ = corrected_policy_loss(
+        dec, _ = corrected_loss(
             z, b, c, None, a, one, clip_center="decoupled", clip_eps=EPS_LO / rho_p, clip_eps_high=EPS_HI / rho_p
         )
         dec.backward()
@@ -297,14 +304,12 @@ def test_on_policy_all_five_corrections_give_the_reinforce_gradient(agg):
     w, logp_of, adv, mask = _linear_policy(31)
     kw = dict(agg=agg, max_new_tokens=MAX_NEW)
     corrections = {
-        "pi_k": lambda lp: corrected_policy_loss(lp, lp.detach(), lp.detach(), None, adv, mask, **kw),
-        "alpha": lambda lp: corrected_policy_loss(
-            lp, lp.detach(), lp.detach(), None, adv, mask, clip_center="alpha", **kw
-        ),
-        "decoupled": lambda lp: corrected_policy_loss(
+        "pi_k": lambda lp: corrected_loss(lp, lp.detach(), lp.detach(), None, adv, mask, **kw),
+        "alpha": lambda lp: corrected_loss(lp, lp.detach(), lp.detach(), None, adv, mask, clip_center="alpha", **kw),
+        "decoupled": lambda lp: corrected_loss(
             lp, lp.detach(), lp.detach(), None, adv, mask, clip_center="decoupled", **kw
         ),
-        "decoupled+tis": lambda lp: corrected_policy_loss(
+        "decoupled+tis": lambda lp: corrected_loss(
             lp, lp.detach(), lp.detach(), None, adv, mask, clip_center="decoupled", is_cap=2.0, **kw
         ),
         "rec": lambda lp: rec_loss(lp, lp.detach(), adv, mask, **kw),
@@ -333,7 +338,7 @@ def test_one_stale_inner_step_current_equals_uncapped_decoupled():
     alpha = pi_k - torch.randn(pi_k.shape, generator=g, dtype=torch.float64)  # (N, T) rho' = e^N(0,1)
 
     def grad(**kw):
-        return torch.autograd.grad(corrected_policy_loss(logp_of(w), alpha, pi_k, None, adv, mask, **kw)[0], w)[0]
+        return torch.autograd.grad(corrected_loss(logp_of(w), alpha, pi_k, None, adv, mask, **kw)[0], w)[0]
 
     torch.testing.assert_close(grad(clip_center="decoupled"), grad(clip_center="pi_k"), rtol=1e-12, atol=1e-14)
     assert (grad(clip_center="decoupled", is_cap=2.0) - grad(clip_center="pi_k")).abs().max() > 1e-3
@@ -345,7 +350,7 @@ def test_micro_batches_with_mis_add_up_to_the_whole_step(agg, center, is_cap):
     logp, alpha_logp, pi_k_logp, ref_logp, adv, mask = random_batch(71, n=8)
     kw = dict(clip_center=center, is_cap=is_cap, is_mask=1.5, beta=0.1, agg=agg, max_new_tokens=MAX_NEW)
     x = logp.clone().requires_grad_(True)
-    whole, _ = corrected_policy_loss(x, alpha_logp, pi_k_logp, ref_logp, adv, mask, **kw)
+    whole, _ = corrected_loss(x, alpha_logp, pi_k_logp, ref_logp, adv, mask, **kw)
     whole.backward()
     # The caller folds MIS into the loss mask before taking the step's normaliser.
     keep = mis_keep_mask(alpha_logp, pi_k_logp, 1.5)
@@ -357,7 +362,7 @@ def test_micro_batches_with_mis_add_up_to_the_whole_step(agg, center, is_cap):
         parts = 0.0
         for s in range(0, 8, 3):
             rows = slice(s, s + 3)
-            part, _ = corrected_policy_loss(
+            part, _ = corrected_loss(
                 y[rows], alpha_logp[rows], pi_k_logp[rows], ref_logp[rows], adv[rows], mask[rows], total=total, **kw
             )
             part.backward()
@@ -386,7 +391,7 @@ def test_sampler_mismatch_stats_hand_computed():
     # MIS drops rho' = 4 (outside [1/3, 3]); TIS caps rho' = 2.5 (the dropped 4 is not counted as capped).
     assert st["is_masked_frac"] == 0.25 and st["is_capped_frac"] == 0.25
     # policy_loss does not compute them (a step does, once): its statistics are pi_theta's.
-    _, ps = corrected_policy_loss(
+    _, ps = corrected_loss(
         pi_k_logp, alpha_logp, pi_k_logp, None, torch.ones(1), mask, clip_center="decoupled", is_cap=2.0, is_mask=3.0
     )
     assert set(ps) == {"clip_low", "clip_high", "kl", "rho_mean", "tokens"}
@@ -402,10 +407,10 @@ def test_invalid_arguments_raise():
     logp, alpha_logp, pi_k_logp, _, adv, mask = random_batch(3)
     for center in ("pi_k", "alpha"):
         with pytest.raises(ValueError, match="is_cap"):
-            corrected_policy_loss(logp, alpha_logp, pi_k_logp, None, adv, mask, clip_center=center, is_cap=2.0)
+            corrected_loss(logp, alpha_logp, pi_k_logp, None, adv, mask, clip_center=center, is_cap=2.0)
     with pytest.raises(ValueError, match="is_cap"):
-        corrected_policy_loss(logp, alpha_logp, pi_k_logp, None, adv, mask, clip_center="decoupled", is_cap=0.0)
+        corrected_loss(logp, alpha_logp, pi_k_logp, None, adv, mask, clip_center="decoupled", is_cap=0.0)
     with pytest.raises(ValueError, match="is_mask"):
-        corrected_policy_loss(logp, alpha_logp, pi_k_logp, None, adv, mask, is_mask=0.5)
+        corrected_loss(logp, alpha_logp, pi_k_logp, None, adv, mask, is_mask=0.5)
     with pytest.raises(ValueError, match="'centre'"):
-        corrected_policy_loss(logp, alpha_logp, pi_k_logp, None, adv, mask, clip_center="centre")
+        corrected_loss(logp, alpha_logp, pi_k_logp, None, adv, mask, clip_center="centre")

@@ -19,7 +19,7 @@ from trl import GRPOTrainer  # noqa: E402
 from trl_testing import G, make_trainer, noisy, rows, save_policy, sequences  # noqa: E402
 
 import objective  # noqa: E402
-import step  # noqa: E402
+import train  # noqa: E402
 from advantage import group_advantages  # noqa: E402
 from config import Config  # noqa: E402
 from engine.chunked_logprobs import chunked_token_logprobs  # noqa: E402
@@ -82,7 +82,7 @@ def test_parity_with_stock_trl(policy_dir, tmp_path, loss_type, bias_kl):
 @pytest.mark.parametrize("weighted_kl", [False, True], ids=["kl", "rho-weighted-kl"])
 def test_offpolicy_loss_is_the_loops_loss(policy_dir, tmp_path, weighted_kl):
     """v > 1, the pi_k centre: log alpha is TRL's old_per_token_logps, log pi_k the forward detached, and the loss
-    equals the loop's (step.loss_fn, objective.policy_loss) on the same tensors, with log-probs from
+    equals the loop's (train.loss_of, objective.policy_loss) on the same tensors, with log-probs from
     chunked_logprobs, advantages from advantage.group_advantages and an independent normaliser. One KL: TRL's
     use_bias_correction_kl and train.py's --kl-importance-weight give the same term, and the other setting does
     not."""
@@ -104,7 +104,7 @@ def test_offpolicy_loss_is_the_loops_loss(policy_dir, tmp_path, weighted_kl):
 
     def loops_loss(kl_importance_weight):
         cfg = Config(beta=1.0, clip_center="pi_k", kl_importance_weight=kl_importance_weight)
-        return step.loss_fn(cfg, logp, old, logp.detach(), ref, adv, mask, total)[0].item()
+        return train.loss_of(cfg, logp, old, logp.detach(), ref, adv, mask, total)[0].item()
 
     rho_prime_max = corrections.sampler_mismatch_stats(old, logp.detach(), mask)["rho_prime_max"]
     assert rho_prime_max > 1.5  # the two centres give different losses on these tensors

@@ -30,10 +30,7 @@ from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
 import objective  # noqa: E402
 from integrations import verl_grpo  # noqa: E402
 from objective import policy_loss  # noqa: E402
-from variants import (
-    corrections,  # noqa: E402
-    reinforce,  # noqa: E402
-)
+from variants import corrections, reinforce  # noqa: E402
 from variants.reinforce import opmd_loss, rec_loss  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,9 +1,13 @@
-"""Other engines' staleness corrections, beside [A]'s surrogate (objective.py): AReaL's decoupled objective,
-truncated importance sampling (TIS), masked importance sampling (MIS), their sequence and geometric levels, and
-the statistics of how far the sampler alpha is from pi_k.
+"""Other engines' staleness corrections, as arguments of [A]'s surrogate: the surrogate is `objective.policy_loss`'s
+(its docstring states every formula; AReaL's decoupled objective is its clip_center="decoupled"), and this file
+computes what truncated importance sampling (TIS) and masked importance sampling (MIS) add to it, at the token,
+sequence and geometric levels, and the statistics of how far the sampler alpha is from pi_k:
+
+    policy_loss(logp, alpha_logp, pi_k_logp, ref_logp, A, loss_mask, clip_center=c,
+                **correction_args(alpha_logp, pi_k_logp, loss_mask, clip_center=c, is_cap=C, is_mask=M, is_level=L))
 
 Names as in objective.py: logp (log pi_theta), pi_k_logp, alpha_logp, ref_logp, each (N, T); rho = pi_theta / alpha,
-rho' = pi_k / alpha, r = pi_theta / pi_k = rho / rho'. Every formula is in `corrected_policy_loss`'s docstring.
+rho' = pi_k / alpha, r = pi_theta / pi_k = rho / rho'; rho^L is `level_ratio`'s.
 
 How the engines name these (their old policy is pi_k, vLLM's alpha, their PPO loss times the correction weight
 the decoupled centre; tests/test_sequence_is.py pins or contrasts each):
@@ -18,32 +22,11 @@ Deviation from AReaL: `is_cap` truncates the weight (TIS: w = min(rho', C)), whe
 zeroes the tokens above the cap. Dropping tokens is `is_mask`'s job, and it drops them from the normaliser too.
 """
 
-from typing import NamedTuple
-
 import torch
 
-from objective import (
-    CLIP_CENTERS,
-    KL_ESTIMATORS,
-    clip_interval,
-    loss_stats,
-    neutral_outside,
-    penalised_loss,
-    token_advantages,
-)
+from objective import CLIP_CENTERS
 
-CENTERS = (*CLIP_CENTERS, "decoupled")
 IS_LEVELS = ("token", "sequence", "geometric")
-
-
-class CorrectedSurrogate(NamedTuple):
-    """`corrected_surrogate`'s result, all (N, T). The clip fractions never count a token MIS dropped."""
-
-    objective: torch.Tensor  # o_t, with grad
-    rho: torch.Tensor  # pi_theta / alpha, with grad
-    clip_low: torch.Tensor  # bool: the clip removed the gradient below the interval
-    clip_high: torch.Tensor  # bool: ... above it
-    keep: torch.Tensor | None  # bool: the tokens MIS keeps (1/M <= rho^L <= M); None without is_mask
 
 
 def check_is_mask(is_mask: float | None) -> None:
@@ -81,10 +64,11 @@ def mis_keep_mask(
     loss_mask: torch.Tensor | None = None,
     is_level: str = "token",
 ) -> torch.Tensor:
-    """The tokens MIS keeps, (N, T) bool (all of them when is_mask is None): `corrected_policy_loss`'s keep_t.
+    """The tokens MIS keeps, (N, T) bool (all of them when is_mask is None): `correction_args`'s keep on
+    loss_mask's tokens.
 
     It depends on alpha and pi_k only, so a step split into micro-batches computes it once for the whole step and
-    passes `total=aggregation_total(loss_mask * keep, agg, max_new_tokens)` to each micro-batch (step.update)."""
+    passes `total=aggregation_total(loss_mask * keep, agg, max_new_tokens)` to each micro-batch (train.mis_prepass)."""
     if is_mask is None:
         return torch.ones_like(alpha_logp, dtype=torch.bool)  # (N, T)
     check_is_mask(is_mask)
@@ -92,25 +76,32 @@ def mis_keep_mask(
     return mis_band(rho_level, is_mask).expand_as(alpha_logp)  # (N, T)
 
 
-def corrected_surrogate(
-    logp: torch.Tensor,
+def correction_args(
     alpha_logp: torch.Tensor,
     pi_k_logp: torch.Tensor,
-    advantages: torch.Tensor,
+    loss_mask: torch.Tensor | None,
     *,
-    clip_eps: float = 0.2,
-    clip_eps_high: float | None = None,
-    clip_center: str = "pi_k",
+    clip_center: str,
     is_cap: float | None = None,
     is_mask: float | None = None,
     is_level: str = "token",
-    loss_mask: torch.Tensor | None = None,
-) -> CorrectedSurrogate:
-    """The per-token o_t of `corrected_policy_loss`, before the KL term and the aggregation (verl's plugin calls it
-    alone). A sequence level needs loss_mask, the tokens its ratio runs over. The caller multiplies `keep` into the
-    mask it aggregates with."""
-    if clip_center not in CENTERS:
-        raise ValueError(f"clip_center must be one of {CENTERS}, got {clip_center!r}")
+) -> dict:
+    """objective.policy_loss's (and objective.surrogate's) `weight` and `keep` for TIS and MIS, {"weight": ...,
+    "keep": ...}, each None when not used:
+
+        weight = min(rho^L, C)                  is_cap = C (TIS): the w_t of clip_center="decoupled", none other
+        keep   = 1/M <= rho^L <= M, (N, T) bool   is_mask = M (MIS), with every centre
+        rho^L = rho'_t                                       is_level="token"
+              = R_i = prod_s rho'_s = exp(sum_s log rho'_s)   "sequence"    on every token t of sequence i,
+              = G_i = R_i^(1/n_i) = exp(mean_s log rho'_s)    "geometric"   s over its n_i tokens in loss_mask
+
+    A sequence level caps by min(R, C) or min(G, C) and masks whole sequences; the clip of the "pi_k" centre stays
+    around rho'_t. C and M are >= 1 (a cap below 1 would shrink on-policy tokens, rho' = 1, too). A token outside
+    loss_mask counts as rho' = 1, as policy_loss's ratios do there; loss_mask None (token level only): every token
+    counts. With is_mask and micro-batches, `total` counts only the kept tokens of the whole step (`mis_keep_mask`).
+    """
+    if clip_center not in CLIP_CENTERS:
+        raise ValueError(f"clip_center must be one of {CLIP_CENTERS}, got {clip_center!r}")
     if is_cap is not None and clip_center != "decoupled":
         raise ValueError(f"is_cap (TIS) caps the weight w = rho' of clip_center='decoupled'; {clip_center!r} has none")
     if is_cap is not None and not is_cap >= 1.0:  # a cap below 1 would shrink on-policy tokens (rho' = 1) too
@@ -118,109 +109,15 @@ def corrected_surrogate(
     check_is_mask(is_mask)
     if is_level != "token" and is_cap is None and is_mask is None:
         raise ValueError(f"is_level={is_level!r} is the level of is_cap (TIS) and is_mask (MIS); neither is set")
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    A = token_advantages(advantages, logp.dtype)  # (N, 1) or (N, T)
-    alpha_logp, pi_k_logp = alpha_logp.detach(), pi_k_logp.detach()
-    rho = torch.exp(logp - alpha_logp)  # (N, T) carries the gradient
-    log_rho_prime = pi_k_logp - alpha_logp  # (N, T)
-    rho_prime = torch.exp(log_rho_prime)  # (N, T)
-    rho_level = rho_prime if is_level == "token" else level_ratio(log_rho_prime, loss_mask, is_level)
-    keep = None if is_mask is None else mis_band(rho_level, is_mask).expand_as(rho)  # (N, T) bool
-
-    if clip_center == "decoupled":
-        clipped_ratio = torch.exp(logp - pi_k_logp)  # (N, T) r = pi_theta / pi_k, carries the gradient
-        lo, hi = clip_interval(rho_prime, "alpha", clip_eps, eps_high)  # [1 - eps_low, 1 + eps_high], now around r
-        weight = rho_prime if is_cap is None else rho_level.clamp(max=is_cap).to(rho_prime.dtype)  # w
-        if keep is not None:
-            # A dropped token's weight is 0, not rho': an overflowing rho' = inf would make inf * 0 = nan.
-            weight = torch.where(keep, weight, torch.zeros_like(weight))  # (N, T)
-    else:
-        clipped_ratio, weight = rho, None
-        lo, hi = clip_interval(rho_prime, clip_center, clip_eps, eps_high)  # (N, T) each
-
-    objective = torch.min(clipped_ratio * A, torch.clamp(clipped_ratio, lo, hi) * A)  # (N, T)
-    if weight is not None:
-        objective = weight * objective  # (N, T) the decoupled objective
-    clip_high = (clipped_ratio > hi) & (A > 0)  # (N, T)
-    clip_low = (clipped_ratio < lo) & (A < 0)  # (N, T)
-    if keep is not None:
-        # A token MIS dropped has no gradient to clip.
-        clip_high, clip_low = clip_high & keep, clip_low & keep  # (N, T)
-    return CorrectedSurrogate(objective, rho, clip_low, clip_high, keep)
-
-
-def corrected_policy_loss(
-    logp: torch.Tensor,
-    alpha_logp: torch.Tensor,
-    pi_k_logp: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    *,
-    clip_eps: float = 0.2,
-    clip_eps_high: float | None = None,
-    clip_center: str = "pi_k",
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    kl_importance_weight: bool = False,
-    agg: str = "token-mean",
-    max_new_tokens: int | None = None,
-    total: float | None = None,
-    is_cap: float | None = None,
-    is_mask: float | None = None,
-    is_level: str = "token",
-) -> tuple[torch.Tensor, dict]:
-    """The policy loss with another engine's staleness correction: `objective.policy_loss`, with these changes.
-
-        loss = - agg_{t kept} [ o_t - beta kl_t ]
-
-        o_t = w_t * min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A)    clip_center="decoupled" (AReaL)
-              (clip_center "pi_k" or "alpha": [A]'s or PPO's o_t, as objective.policy_loss states them)
-        r_t = pi_theta(y_t) / pi_k(y_t) = rho_t / rho'_t                  with grad
-        w_t = rho'_t, or min(rho^L, C) with is_cap = C (TIS)              a constant for the gradient
-        kept: every token of loss_mask; with is_mask = M (MIS), only those with 1/M <= rho^L <= M: the others
-              leave the sum and the normaliser (their KL term too), for every centre
-        rho^L = rho'_t                                       is_level="token"
-              = R_i = prod_s rho'_s = exp(sum_s log rho'_s)   "sequence"    on every token t of sequence i,
-              = G_i = R_i^(1/n_i) = exp(mean_s log rho'_s)    "geometric"   s over its n_i tokens in loss_mask
-
-    AReaL (Fu et al. 2025) decouples the two jobs of [A]'s clip: r is clipped around 1 (a trust region around
-    pi_k), and rho' corrects for the sampler as a separate weight. Wherever rho' > eps_low, [A]'s o_t equals
-    rho' min(r A, clip(r, 1 - eps_low/rho', 1 + eps_high/rho') A): the uncapped decoupled objective with a trust
-    region in r that narrows as rho' grows (docs/design.md derives it). At a refresh rho' = 1, w = min(1, C) = 1,
-    and all three centres coincide.
-
-    is_cap needs the decoupled centre (the others have no separate weight: rho' sits inside rho). is_mask works with
-    every centre. A sequence level caps by min(R, C) or min(G, C) and masks whole sequences; the clip of the
-    "pi_k" centre stays around rho'_t.
-
-    Legend as objective.policy_loss's, and C -> is_cap (>= 1), M -> is_mask (>= 1), L -> is_level. With is_mask
-    and micro-batches, `total` counts only the kept tokens of the whole step (`mis_keep_mask`).
-
-    Returns the loss and objective.loss_stats over loss_mask's tokens (MIS-dropped ones included).
-    """
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-    alpha_logp, pi_k_logp, ref_logp = neutral_outside(loss_mask, logp, alpha_logp, pi_k_logp, ref_logp)
-    objective, rho, clip_low, clip_high, keep = corrected_surrogate(
-        logp,
-        alpha_logp,
-        pi_k_logp,
-        advantages,
-        clip_eps=clip_eps,
-        clip_eps_high=clip_eps_high,
-        clip_center=clip_center,
-        is_cap=is_cap,
-        is_mask=is_mask,
-        is_level=is_level,
-        loss_mask=loss_mask,
-    )
-    kept = loss_mask if keep is None else loss_mask * keep  # (N, T) MIS: what stays in the loss and its normaliser
-    kl_weight = rho if kl_importance_weight else None
-    loss, kl = penalised_loss(
-        objective, logp, ref_logp, kept, beta, kl_estimator, agg, max_new_tokens, total, kl_weight
-    )
-    return loss, loss_stats(loss_mask, rho, clip_low, clip_high, kl)
+    if is_cap is None and is_mask is None:
+        return {"weight": None, "keep": None}
+    log_rho_prime = pi_k_logp.detach() - alpha_logp.detach()  # (N, T)
+    if loss_mask is not None:  # rho' = 1 outside the mask: an overflow on padding reaches neither weight nor keep
+        log_rho_prime = torch.where(loss_mask > 0, log_rho_prime, 0.0)  # (N, T)
+    rho_level = level_ratio(log_rho_prime, loss_mask, is_level)  # (N, T) or (N, 1)
+    weight = None if is_cap is None else rho_level.clamp(max=is_cap).to(log_rho_prime.dtype)  # (N, T) or (N, 1)
+    keep = None if is_mask is None else mis_band(rho_level, is_mask).expand_as(log_rho_prime)  # (N, T)
+    return {"weight": weight, "keep": keep}
 
 
 def sampler_mismatch_stats(
