@@ -2,8 +2,8 @@
 
 `generate` samples with a KV cache, token by token, from softmax(logits / temperature), cut to the kept set of
 --top-k / --top-p / --min-p and renormalised (logprobs.sampling_logits), with an explicit torch.Generator so that
-runs are reproducible (`sample` is the loop). `generate_batches` samples the v batches of a refresh cycle in as few
-calls as a row cap allows (step.sample_cycle); a `Cycle` holds them until their steps.
+runs are reproducible (`sample` is the loop, `next_token` its step). `generate_batches` samples the v batches of a
+refresh cycle in as few calls as a row cap allows (step.sample_cycle); a `Cycle` holds them until their steps.
 
 Layout of a batch (the convention every other file uses):
     prompt_ids      (N, P)    left-padded, so every prompt ends at column P-1
@@ -19,7 +19,9 @@ Deviations from common practice:
      tokens' log-probs and entropies, and treats EOS uniformly.
   2. A group's G rows share their prompt: it runs once per group, and its KV cache is fanned out to the G rows.
   3. `generate` runs the loop it is given: `sample`, the reference, by default; the loop passes decoding.py's
-     static-KV-cache sampler on CUDA (--sampling, step.sampler), tested equal (tests/test_fastpath.py). This file
+     static-KV-cache sampler on CUDA (--sampling, step.sampler), tested equal (tests/test_fastpath.py). Both take
+     their tokens from `next_token`, so the math after the logits is written once; the static loop passes its own
+     draw (the exponential race) and checks less often, each check being a host sync. This file
      imports only torch, transformers' DynamicCache and logprobs.py: the reference sampler copies with them.
 """
 
@@ -143,22 +145,12 @@ def generate(
 
 
 def sample(
-    model,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    rows: torch.Tensor,
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    truncation: Truncation | None,
-    eos_token_id: int,
-    pad_token_id: int,
-    generator: torch.Generator | None,
-    ignore_eos: bool,
+    model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: torch.Tensor, *, max_new_tokens: int, **step
 ) -> dict:
     """The sampling loop with transformers' KV cache (the reference): the B prompts (B, P) run once, each of the
-    N rows takes its prompt's cache (`rows`: row -> prompt), then one token per row at a time. Returns `to_rollout`'s
-    per-step lists (tokens, logps, entropies, each (N,) a step) and the rows' lengths and `alive` (N,)."""
+    N rows takes its prompt's cache (`rows`: row -> prompt), then one token per row at a time (`next_token`; `step`
+    is its keywords: temperature, truncation, eos_token_id, pad_token_id, generator, ignore_eos). Returns
+    `to_rollout`'s per-step lists (tokens, logps, entropies: (N,) a step), the rows' lengths and `alive` (N,)."""
     n = rows.numel()
     pos = position_ids_from_mask(prompt_mask)  # (B, P)
     cache = {cache_kwarg(model): DynamicCache(), **last_logits_only(model)}  # filled in place by each forward
@@ -175,26 +167,59 @@ def sample(
             pos = pos + 1  # (N, 1)
             out = model(input_ids=tokens[-1][:, None], attention_mask=attn, position_ids=pos, use_cache=True, **cache)
             logits = out.logits[:, -1, :]  # (N, V)
-        logits = logits.float()  # (N, V)
-        # A diverged policy (train.py counts it as a non-finite step), before multinomial fails on it.
-        if not torch.isfinite(logits).all():
-            raise FloatingPointError("generate: the sampler's logits are not finite")
-        logp_all = torch.log_softmax(sampling_logits(logits, temperature, truncation), dim=-1)  # (N, V) log alpha
-        if temperature > 0:
-            nxt = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(1)  # (N,)
-        else:
-            nxt = logits.argmax(dim=-1)  # (N,)
-        entropy = entropy_of(logp_all)  # (N,)
-        nxt = torch.where(alive, nxt, torch.full_like(nxt, pad_token_id))  # (N,) pad after EOS
+        nxt, logp, entropy, alive, lengths = next_token(logits, alive, lengths, **step)
         tokens.append(nxt)
-        logps.append(torch.where(alive, logp_all.gather(1, nxt.unsqueeze(1)).squeeze(1), torch.zeros_like(entropy)))
-        entropies.append(torch.where(alive, entropy, torch.zeros_like(entropy)))
-        lengths += alive.long()
-        if not ignore_eos:
-            alive = alive & (nxt != eos_token_id)  # EOS itself was kept above
-            if not alive.any():
-                break
+        logps.append(logp)
+        entropies.append(entropy)
+        if not step["ignore_eos"] and not alive.any():
+            break
     return dict(tokens=tokens, logps=logps, entropies=entropies, lengths=lengths, alive=alive)
+
+
+def sample_multinomial(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Row-wise index i with probability p_i, (N, V) -> (N,): the reference's draw."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def next_token(
+    logits: torch.Tensor,
+    alive: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    temperature: float,
+    truncation: Truncation | None,
+    eos_token_id: int,
+    pad_token_id: int,
+    generator: torch.Generator | None,
+    ignore_eos: bool,
+    draw: Callable[[torch.Tensor, torch.Generator | None], torch.Tensor] = sample_multinomial,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, ...]:
+    """Every sampling loop's step, from the next-token logits (N, V): y_t ~ alpha(. | prefix), the softmax of
+    sampling_logits (logits / temperature, cut to the kept set), drawn by `draw(probs, generator)` (the
+    argmax of the logits at temperature 0). `alive` and `lengths` (N,) are the rows' state before the step.
+
+    Returns (token, logp, entropy, alive, lengths), each (N,): y_t (pad once a row has ended), log alpha(y_t) and
+    the entropy of alpha (0 once a row has ended), then the state after the step: EOS is kept, and ends its row
+    unless ignore_eos. check_finite=False leaves the check for non-finite logits to the caller (whose draw must
+    then take them without failing: decoding.sample_static checks its log-probs once, after the loop)."""
+    logits = logits.float()  # (N, V)
+    # A diverged policy (train.py counts it as a non-finite step), before multinomial fails on it.
+    if check_finite and not torch.isfinite(logits).all():
+        raise FloatingPointError("generate: the sampler's logits are not finite")
+    logp_all = torch.log_softmax(sampling_logits(logits, temperature, truncation), dim=-1)  # (N, V) log alpha
+    if temperature > 0:
+        nxt = draw(logp_all.exp(), generator)  # (N,) a token outside the kept set has p = 0
+    else:
+        nxt = logits.argmax(dim=-1)  # (N,)
+    entropy = entropy_of(logp_all)  # (N,)
+    nxt = torch.where(alive, nxt, torch.full_like(nxt, pad_token_id))  # (N,) pad after EOS
+    logp = torch.where(alive, logp_all.gather(1, nxt.unsqueeze(1)).squeeze(1), torch.zeros_like(entropy))  # (N,)
+    entropy = torch.where(alive, entropy, torch.zeros_like(entropy))  # (N,)
+    lengths = lengths + alive.long()  # (N,)
+    if not ignore_eos:
+        alive = alive & (nxt != eos_token_id)  # EOS itself was kept above
+    return nxt, logp, entropy, alive, lengths
 
 
 def to_rollout(prompt_ids, prompt_mask, *, tokens, logps, entropies, lengths, alive) -> Rollout:

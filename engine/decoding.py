@@ -2,9 +2,10 @@
 
     static_sampler       what the loop passes as `generate(sampler=...)` (step.sampler): `sample_static` where it
                          applies, else rollout.sample; a failed graph capture samples again on rollout.sample
-    sample_static        rollout.sample's loop on a static KV cache, written in place; on CUDA the decode step
-                         is captured once as a CUDA graph and replayed, so a step costs no Python per layer
-                         (gpt-fast's technique). It samples by the exponential race (`sample_exponential_race`).
+    sample_static        rollout.sample's loop on a static KV cache, around the same step (rollout.next_token);
+                         on CUDA the decode step's forward is captured once as a CUDA graph and replayed, so it
+                         costs no Python per layer (gpt-fast's technique). It draws by the exponential race
+                         (`sample_exponential_race`) rather than multinomial.
     use_static_decoder   whether `static_sampler` takes it: on CUDA, for models it fits, once a probe step worked
     sampling_path        the name of the path `static_sampler(fast)` would take ("plain", "static-cache", "+cuda-graph")
 
@@ -26,16 +27,8 @@ import torch
 from torch.func import functional_call
 from transformers import PreTrainedModel
 
-from logprobs import (
-    Truncation,
-    cache_kwarg,
-    entropy_of,
-    forward_parameters,
-    last_logits_only,
-    position_ids_from_mask,
-    sampling_logits,
-)
-from rollout import sample
+from logprobs import cache_kwarg, forward_parameters, last_logits_only, position_ids_from_mask
+from rollout import next_token, sample
 
 
 def warn(msg: str) -> None:
@@ -319,22 +312,12 @@ def static_sampler(fast: bool | None = None):
 
 @torch.no_grad()
 def sample_static(
-    model,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    rows: torch.Tensor,
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    truncation: Truncation | None,
-    eos_token_id: int,
-    pad_token_id: int,
-    generator: torch.Generator | None,
-    ignore_eos: bool,
+    model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: torch.Tensor, *, max_new_tokens: int, **step
 ) -> dict:
-    """rollout.sample's loop on the static cache: the same arguments and result, the same tokens when greedy. It
-    samples by the exponential race (no cumulative sum over V) and checks for EOS and non-finite logits every 16
-    steps rather than every step (each check is a host sync)."""
+    """rollout.sample's loop on the static cache: the same arguments and result, the same tokens when greedy. Its
+    step is rollout.next_token with the exponential race for a draw (no cumulative sum over V); the loop checks for
+    EOS every 16 steps rather than every step, and for non-finite values once, at the end (each check is a host
+    sync)."""
     n, device = rows.numel(), rows.device
     dec = static_decoder(model, n, prompt_ids.shape[1] + max_new_tokens, device)
     logits = dec.prefill(model, prompt_ids, prompt_mask, rows)  # (N, V)
@@ -346,22 +329,15 @@ def sample_static(
     for t in range(max_new_tokens):
         if t > 0:
             logits = dec.decode(model, tokens[-1])  # (N, V)
-        logits = logits.float()  # (N, V)
-        logp_all = torch.log_softmax(sampling_logits(logits, temperature, truncation), dim=-1)  # (N, V) log alpha
-        if temperature > 0:
-            nxt = sample_exponential_race(logp_all.exp(), generator)  # (N,) a token outside the kept set has p = 0
-        else:
-            nxt = logits.argmax(dim=-1)  # (N,)
-        entropy = entropy_of(logp_all)  # (N,)
-        nxt = torch.where(alive, nxt, torch.full_like(nxt, pad_token_id))  # (N,) pad after EOS
+        # Eager, after the replay (the graph holds the forward alone); check_finite=False: no host sync a step.
+        nxt, logp, entropy, alive, lengths = next_token(
+            logits, alive, lengths, draw=sample_exponential_race, check_finite=False, **step
+        )
         tokens.append(nxt)
-        logps.append(torch.where(alive, logp_all.gather(1, nxt.unsqueeze(1)).squeeze(1), torch.zeros_like(entropy)))
-        entropies.append(torch.where(alive, entropy, torch.zeros_like(entropy)))
-        lengths += alive.long()
-        if not ignore_eos:
-            alive = alive & (nxt != eos_token_id)
-            if t % 16 == 15 and not alive.any():
-                break
+        logps.append(logp)
+        entropies.append(entropy)
+        if not step["ignore_eos"] and t % 16 == 15 and not alive.any():
+            break
     # The race picks a token even from NaN logits: a diverged policy shows in the log-probs instead.
     if not (torch.isfinite(torch.stack(logps)).all() and torch.isfinite(torch.stack(entropies)).all()):
         raise FloatingPointError("generate: the sampler's logits are not finite")
