@@ -5,14 +5,14 @@
     python -m benchmarks.bench --model qwen2.5-0.5b-random --prompts-per-step 64 --group-size 8 --prompt-len 128 \\
         --max-new-tokens 256 --beta 0.04 --device cuda --dtype bfloat16
 
-The timed step is train.py's own, `step.grpo_step`; its phases are the ones it times itself:
+The timed step is train.py's own, `train.grpo_step`; its phases are the ones it times itself:
     refresh  pi_ref <- pi_theta with --ref-refresh (alpha needs nothing: it is pi_theta at a refresh)
     sample   at a refresh, rollout.generate_batches of the cycle's v batches (the path is printed: plain or
              static-cache+cuda-graph); 0 at the other steps
     score    the reward function at a refresh (here: decode to text, synthetic rewards); advantages
-    logprob  step.logprobs without grad: log alpha of the cycle at a refresh (--alpha-logp-from
+    logprob  train.logprobs without grad: log alpha of the cycle at a refresh (--alpha-logp-from
              recompute), pi_ref when --beta > 0
-    update   step.update: forward, backward and the AdamW step, micro-batched
+    update   train.update: forward, backward and the AdamW step, micro-batched
 With v > 1 the steps of a cycle differ (the refresh does the sampling), so the figure to compare is the mean
 over whole cycles: --warmup and --steps are rounded up to multiples of v, and each phase's mean is printed,
 then, as the last line, one JSON object: step_s_mean (mean seconds per step), step_s (the median), phases
@@ -46,14 +46,15 @@ import tempfile
 
 import torch
 
-import step
+import train
 from benchmarks.compare import FITS, compare, fit_name
 from benchmarks.trl_bench import subclass_step_times, trl_step_times
+from bookkeeping.metrics import clock
 from bookkeeping.run_io import current_memory_gb, peak_memory_gb, reset_peak_memory
 from config import Config, ConfigError, add_flags, resolve, validate
 from engine.decoding import sampling_path
-from engine.policy import auto_micro_batch, gguf_file, load_gguf
-from step import clock, grpo_step, make_models
+from engine.policy import auto_micro_batch, autocast, gguf_file, load_gguf, make_models
+from train import grpo_step
 
 PRESETS = {  # random-weight models with a real model's shape
     "qwen2.5-0.5b-random": dict(
@@ -232,7 +233,7 @@ def synthetic_reward(tok, group_size: int, reward_gen: torch.Generator):
 
 
 def bench_ours(cfg: Config, args, model, tok, words) -> dict:
-    """Train.py's own step, `step.grpo_step`, over whole refresh cycles: --warmup and --steps are rounded up to
+    """Train.py's own step, `train.grpo_step`, over whole refresh cycles: --warmup and --steps are rounded up to
     multiples of v, so `step_s_mean` (the figure to compare across v) holds every refresh's sampling once."""
     device = torch.device(cfg.device)
     v = cfg.offpolicy_steps
@@ -243,14 +244,14 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
     reward_fn = synthetic_reward(tok, cfg.group_size, torch.Generator().manual_seed(cfg.seed + 1))
     rng = random.Random(cfg.seed)
 
-    def draw(n: int) -> list:
+    def draw(k: int, n: int) -> list:
         prompts = [make_prompts(tok, words, cfg.prompts_per_step, args.prompt_len, rng)[0].to(device) for _ in range(n)]
         return [(p, torch.ones_like(p), reward_fn) for p in prompts]  # (B, P) each, no padding
 
     rows, cycle, peaks, update_gb = [], None, [], []
     n, length = cfg.prompts_per_step * cfg.group_size, args.prompt_len + cfg.max_new_tokens
 
-    def measured_update(*a, **kw):  # step.update, and the memory it adds at its peak: what checkpointing shrinks
+    def measured_update(*a, **kw):  # train.update, and the memory it adds at its peak: what checkpointing shrinks
         peaks.append(peak_memory_gb(device))  # the peak so far survives the reset below
         before = current_memory_gb(device)
         reset_peak_memory(device)
@@ -258,7 +259,7 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
         update_gb.append(peak_memory_gb(device) - before)
         return out
 
-    plain_update, step.update = step.update, measured_update
+    plain_update, train.update = train.update, measured_update
     try:
         for k in range(warmup + steps):
             if k == warmup:
@@ -270,8 +271,8 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
                 row = dict(res.times, step=clock(device) - t, tokens=int(res.rollout.completion_mask.sum()))
                 rows.append(row | {"sampler_mismatch": res.stats.get("sampler_mismatch")})
     finally:
-        step.update = plain_update
-    # The sampler's log alpha against a full forward (step.sampler_mismatch), over the steps that measure it.
+        train.update = plain_update
+    # The sampler's log alpha against a full forward (train.sampler_mismatch), over the steps that measure it.
     mismatch = [r["sampler_mismatch"] for r in rows if r["sampler_mismatch"] is not None]
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     mean = lambda key: statistics.fmean(r[key] for r in rows)  # noqa: E731
@@ -312,7 +313,7 @@ def generate_tokens_per_s(cfg: Config, args, model, tok, words) -> float:
     )
     was_training = model.training
     model.eval()
-    with step.autocast(cfg, device):
+    with autocast(cfg, device):
         model.generate(ids, **kw)
         t = clock(device)
         out = model.generate(ids, **kw)

@@ -26,8 +26,8 @@ import tempfile
 import torch
 from transformers import PrinterCallback, TrainerCallback
 
+from bookkeeping.metrics import clock
 from bookkeeping.run_io import peak_memory_gb
-from step import clock
 
 
 class StepTimer(TrainerCallback):

@@ -1,0 +1,10 @@
+"""What a run keeps and how it ends: train.py calls these in a line each, around the step.
+
+run_io.py       the run folder (--out): claiming it, config.json, metrics.jsonl, completions.jsonl, summary.json,
+                final/, curves.png, TensorBoard and wandb
+checkpoint.py   atomic checkpoints: written to a temporary name, fsynced, renamed into place
+resume.py       what a checkpoint holds (`run_state`) and how a resume reads it back (`restore`)
+metrics.py      a step's metrics row, the progress bar, the update's statistics, the phase timers
+evaluation.py   held-out evaluation, and the completions --log-completions shows
+failures.py     divergence, Ctrl-C and SIGTERM, out of memory: each ends in one line
+"""

@@ -1,10 +1,18 @@
 """The policy a run trains: loading it (the built-in tiny one, a GGUF file, or any transformers causal LM),
 fitting it into memory (bfloat16 weights, gradient checkpointing, LoRA), and the optimizer for bfloat16 weights.
 
-`load_policy` and `fit_policy` are what train.py and step.make_models call; `BF16AdamW` is the optimizer
-`make_models` picks for `--param-dtype bfloat16`. docs/benchmarks.md measures what each lever saves.
+    load_policy        the model and its tokenizer, from --model
+    fit_policy         dropout off, then the memory levers: bfloat16 weights, gradient checkpointing, LoRA
+    auto_micro_batch   the micro-batch that fits the device's free memory (CUDA); the whole batch on the CPU
+    BF16AdamW          the optimizer for bfloat16 weights (stochastic rounding)
+    Models, make_models  pi_theta, its optimizer and pi_ref, as a step reads them
+    autocast           bfloat16 autocast on CUDA, a no-op in float32
+
+docs/benchmarks.md measures what each lever saves.
 """
 
+import copy
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -112,7 +120,7 @@ def fit_policy(cfg: Config, model):
     3. --gradient-checkpointing: transformers' own, non-reentrant; each decoder layer's forward runs again
        in the backward instead of keeping its activations.
     4. --lora-rank r: peft's LoRA (no dropout) on --lora-targets; only the adapter requires grad, and pi_ref
-       is this model with the adapter disabled (step.ref_logprobs): no second copy.
+       is this model with the adapter disabled (train.ref_logprobs): no second copy.
     A model that cannot take a lever is a ConfigError naming the flag.
     """
     for m in model.modules():
@@ -229,3 +237,34 @@ class BF16AdamW(torch.optim.Optimizer):
         for i, st in state_dict["state"].items():
             for key in ("exp_avg", "exp_avg_sq"):
                 self.state[params[i]][key] = st[key].to(params[i].device, torch.float32, copy=True)
+
+
+@dataclass
+class Models:
+    """What a step reads and changes: the trained policy, its optimizer, and pi_ref. alpha is no model: it is the
+    policy at the last refresh, which sampled the cycle's batches then (train.py's docstring)."""
+
+    policy: torch.nn.Module  # pi_theta
+    opt: torch.optim.Optimizer
+    ref: torch.nn.Module | None  # pi_ref, a frozen copy; None without KL (beta = 0) and under LoRA (adapter off)
+
+
+def make_models(cfg: Config, policy: torch.nn.Module) -> Models:
+    """The policy fitted to memory (`fit_policy`), AdamW over its trainable weights (BF16AdamW for bfloat16 ones),
+    and pi_ref when beta > 0: a copy without gradients in eval mode, none under LoRA (the adapter off)."""
+    policy = fit_policy(cfg, policy)
+    params = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapter only
+    if cfg.param_dtype == "bfloat16":
+        opt = BF16AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed)
+    else:
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    ref = copy.deepcopy(policy).requires_grad_(False).eval() if cfg.beta > 0 and not cfg.lora_rank else None
+    return Models(policy, opt, ref)
+
+
+def autocast(cfg: Config, device):
+    """bfloat16 autocast on CUDA (float32 master weights); a no-op with --dtype float32."""
+    device = torch.device(device)
+    return torch.autocast(
+        device.type, dtype=cfg.autocast_dtype or torch.float32, enabled=cfg.autocast_dtype is not None
+    )

@@ -7,6 +7,7 @@ e.g. `python -m studies.staleness`.
     trl_staleness.py    stock TRL's stale sampler beside ours
     drift.py            how far alpha drifts from pi_theta per recipe, against the gap
     moved.py            how far a rerun moved a study's results
+    clip_example.py     [A]'s clip acting on one token of a real run: rho, rho', the interval (docs/design.md)
     real_model_measure.py, real_model_completions.py, real_model_eval.py
                         SmolLM2's base rates, completions before and after, a checkpoint's held-out accuracy
     verifier_probe.py   the math verifier against math-verify on the shipped golds (results/verifier_probe.md)

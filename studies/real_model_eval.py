@@ -1,4 +1,4 @@
-"""Held-out greedy accuracy (train.evaluate, as train.py reports it) of a GGUF model or of a checkpoint's policy.
+"""Held-out greedy accuracy (bookkeeping.evaluation.evaluate, as train.py reports it) of a GGUF model or of a checkpoint's policy.
 
     OMP_NUM_THREADS=1 python -m studies.real_model_eval GGUF CHECKPOINT|- N MAX_NEW_TOKENS
 
@@ -12,9 +12,9 @@ import time
 import torch
 
 from bookkeeping.checkpoint import load_checkpoint
+from bookkeeping.evaluation import evaluate
 from engine.policy import load_gguf
 from problems.tasks import load_task
-from train import evaluate
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import fields
 from pathlib import Path
 
+from bookkeeping.failures import Diverged
 from config import Config, ConfigError, absolute, resolve
 
 # Config fields a study passes through to every run unchanged (None: the run's own default).
@@ -150,7 +151,7 @@ def train_one(cfg: Config, threads: int) -> tuple[str, str] | None:
     try:
         with contextlib.redirect_stdout(log):
             train.train(cfg)
-    except (ConfigError, train.Diverged) as e:  # e.g. a diverged run at an aggressive lr: report it, go on
+    except (ConfigError, Diverged) as e:  # e.g. a diverged run at an aggressive lr: report it, go on
         return str(e), log.getvalue().rstrip()
     return None
 

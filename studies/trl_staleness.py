@@ -19,7 +19,7 @@ temperature 0.7, lr 2e-4 constant, no KL, eps 0.2. The two arms:
                 clipped around alpha (TRL's old_per_token_logps, computed at the generation)
 What stays TRL's own and differs from ours: its prompt order (RepeatSampler), its loss normaliser (`dapo`: the
 generation's tokens) and its zero-variance groups (advantage 0, but counted in the normaliser, where our recipe
-masks them out). Held-out accuracy is this repository's `train.evaluate` (greedy, the same 200 problems) at the
+masks them out). Held-out accuracy is this repository's `bookkeeping.evaluation.evaluate` (greedy, the same 200 problems) at the
 end; the start is the base model's, 0.070 in every run of the 12-step study.
 
 Records (config.json: the TRL arguments that differ from TRL's defaults; metrics.jsonl: TRL's log history;
@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from bookkeeping.evaluation import evaluate
 from studies import real_staleness, runner
 
 ARMS = ("on-policy", "v4")
@@ -83,7 +84,6 @@ def train_one(arm: str, seed: int, runs_dir: Path, model_path: str, threads: int
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
-    import train
     from engine.policy import load_gguf
     from problems.tasks import format_prompt, load_task
     from reward import math_reward
@@ -111,7 +111,7 @@ def train_one(arm: str, seed: int, runs_dir: Path, model_path: str, threads: int
         peft_config=LoraConfig(**LORA),
     )
     trainer.train()
-    acc_end = train.evaluate(trainer.model, tokenizer, heldout, MAX_NEW_TOKENS, "cpu")
+    acc_end = evaluate(trainer.model, tokenizer, heldout, MAX_NEW_TOKENS, "cpu")
     summary = dict(arm=arm, seed=seed, eval_accuracy_end=acc_end, steps=trainer.state.global_step)
     summary.update(wall_s=time.time() - t0, eval_size=len(heldout))
     (out / "config.json").write_text(json.dumps(dict(args, lora=LORA), indent=1, default=str) + "\n")

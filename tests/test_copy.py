@@ -1,6 +1,6 @@
 """The algorithm's files copy into another project: advantage.py, objective.py, logprobs.py, rollout.py and the
 numeric verifier, put into a package of another name, run one sampling call and one loss step there, in a fresh
-interpreter that cannot see this checkout (nothing else of the project is imported, decoding.py included)."""
+interpreter that cannot see this checkout (nothing else of the project is imported, engine/decoding.py included)."""
 
 import shutil
 import subprocess
@@ -38,7 +38,7 @@ SCRIPT = textwrap.dedent(
     loss.backward()
     grad = sum(p.grad.abs().sum().item() for p in model.parameters() if p.grad is not None)
     gap = (logp.detach() - ro.sampler_logp).abs().max().item()
-    project = sorted({"logprobs", "rollout", "decoding", "step", "config", "tasks", "reward"} & set(sys.modules))
+    project = sorted({"logprobs", "rollout", "decoding", "train", "config", "tasks", "reward"} & set(sys.modules))
     scores = ",".join(str(r) for r in rewards.tolist())
     print(f"rows={ro.completion_ids.shape[0]} rewards=[{scores}] loss={loss.item():.6f} grad={grad:.6f} "
           f"gap={gap:.2e} signal={int(valid.sum())} flat_modules={project}")

@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import step
 import train
 from config import Config, resolve
 from conftest import TEST_WARMUP, needs
 from engine import policy
+from engine.policy import make_models
 from problems.tasks import Problem, encode_prompts
 from rollout import generate
 
@@ -30,7 +30,7 @@ def cfg_for(**kw) -> Config:
     return resolve(Config(**{**base, **kw}))
 
 
-def sampled_batch(model, tok, problems, tokens=6) -> step.Batch:
+def sampled_batch(model, tok, problems, tokens=6) -> train.Batch:
     """One completion per problem (distinct prompts: the log-probs run one plain pass), advantages +1, -1, ..."""
     ids, mask = encode_prompts(tok, problems, "cpu")
     special = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -45,7 +45,7 @@ def sampled_batch(model, tok, problems, tokens=6) -> step.Batch:
         **special,
     )
     adv = torch.tensor([(-1.0) ** i for i in range(len(problems))])  # (N,)
-    return step.Batch(
+    return train.Batch(
         input_ids=ro.input_ids,
         attention_mask=ro.attention_mask,
         completion_mask=ro.completion_mask,
@@ -55,15 +55,15 @@ def sampled_batch(model, tok, problems, tokens=6) -> step.Batch:
     )
 
 
-def gradient_and_calls(cfg: Config, model, batch: step.Batch) -> tuple[torch.Tensor, int]:
-    """step.update's gradient (lr 0: the weights stay) and how often the decoder layers' MLPs ran (counted in
+def gradient_and_calls(cfg: Config, model, batch: train.Batch) -> tuple[torch.Tensor, int]:
+    """train.update's gradient (lr 0: the weights stay) and how often the decoder layers' MLPs ran (counted in
     their forward itself: torch runs no module hooks when checkpointing recomputes a layer)."""
-    models = step.make_models(cfg, model)
+    models = make_models(cfg, model)
     calls = []
     for name, mlp in models.policy.named_modules():
         if name.endswith(".mlp"):
             mlp.forward = lambda *a, f=mlp.forward, **k: calls.append(1) or f(*a, **k)
-    step.update(cfg, models.policy, models.opt, batch, None)
+    train.update(cfg, models.policy, models.opt, batch, None)
     return torch.cat([p.grad.flatten() for p in models.policy.parameters() if p.grad is not None]), len(calls)
 
 
@@ -213,12 +213,12 @@ def test_lora_base_weights_stay_bit_identical_and_only_the_adapter_reaches_the_o
     cfg = cfg_for(lora_rank=4, lora_alpha=8.0, lr=1e-2, prompts_per_step=2, group_size=2)
     base, tok = tiny.load_tiny(warm_cache, TEST_WARMUP, log=lambda m: None)
     before = copy.deepcopy(base.state_dict())
-    models = step.make_models(cfg, base)
+    models = make_models(cfg, base)
     names = {id(p): n for n, p in models.policy.named_parameters()}
     assert all("lora_" in names[id(p)] for g in models.opt.param_groups for p in g["params"])
     batch = sampled_batch(models.policy, tok, [Problem("12+7=", "19"), Problem("40-3=", "37")])
     for _ in range(3):
-        step.update(cfg, models.policy, models.opt, batch, None)
+        train.update(cfg, models.policy, models.opt, batch, None)
     after = models.policy.get_base_model().state_dict()
     base_keys = [k for k in after if "lora_" not in k]
     assert all(torch.equal(after[k], before[k.replace(".base_layer", "")]) for k in base_keys)

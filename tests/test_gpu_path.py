@@ -46,7 +46,7 @@ def chunked_logp(hidden, weight, targets):
 
 def grads(logp_fn, hidden, weight, targets, coef, autocast: bool):
     """d sum(coef * logp) / d (hidden, weight), the forward under bf16 autocast or not; backward outside it, as
-    step.update calls loss.backward()."""
+    train.update calls loss.backward()."""
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     with torch.autocast(**BF16, enabled=autocast):
         logp = logp_fn(h, w, targets)
@@ -145,12 +145,12 @@ class OtherDevice:
 
 def test_red_drop_and_the_reward_shuffle_draw_on_their_generators_device(monkeypatch):
     from config import Config
-    from step import compute_advantages
+    from train import advantages_of
 
     patched = OtherDevice(monkeypatch)
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0])  # two groups of 4, one positive each
     cfg = Config(group_size=4, red="drop", reward_shuffle=True)
-    advantages, valid = compute_advantages(cfg, rewards, torch.Generator().manual_seed(0))
+    advantages, valid = advantages_of(cfg, rewards, torch.Generator().manual_seed(0))
     assert patched.calls == 3  # one shuffle, one drop per group
     assert valid.sum() == 4  # RED-Drop kept one positive and one negative per group
 
@@ -412,10 +412,10 @@ def test_sampling_fast_trains_on_the_static_cache_and_survives_a_failed_capture(
     assert len(rows) == 4 and len(mismatch) == 4 and max(mismatch) < 1e-4, rows
 
 
-def test_evaluation_samples_under_the_training_autocast(tok, monkeypatch):
+def test_evaluation_samples_under_the_training_autocast(warm_cache, tmp_path, monkeypatch):
+    # The run's held-out evaluation samples as its training does: the same loop (--sampling), the same autocast.
+    import bookkeeping.evaluation
     import train
-    from config import Config, resolve
-    from problems.tasks import Problem
 
     seen = []
 
@@ -423,10 +423,9 @@ def test_evaluation_samples_under_the_training_autocast(tok, monkeypatch):
         seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), sampler))
         raise StopIteration  # nothing to score: the state at the call is the test
 
-    monkeypatch.setattr(train, "generate", generate)
-    cfg = resolve(Config(device="cpu", dtype="bfloat16", sampling="fast", out="/tmp/unused"))
-    with pytest.raises(StopIteration):
-        train.evaluation(cfg, torch.nn.Linear(1, 1), tok, [Problem("1+1=", "2")], "cpu")
+    monkeypatch.setattr(bookkeeping.evaluation, "generate", generate)
+    with pytest.raises(StopIteration):  # the start's evaluation, before the first step
+        train.main(tiny_args(warm_cache, tmp_path / "run", "--dtype", "bfloat16", "--sampling", "fast"))
     (enabled, dtype, loop), *more = seen
     assert (enabled, dtype, more) == (True, torch.bfloat16, [])
     assert loop.__qualname__.startswith("static_sampler"), loop  # --sampling fast: decoding.py's loop, as training

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import train
+from bookkeeping.evaluation import evaluate
 from conftest import ROOT, TEST_WARMUP, shared_data
 from problems.tasks import MATH_INSTRUCTION, Problem, TaskError, load_task, math_row, read_jsonl
 
@@ -83,9 +84,9 @@ def test_pass1_over_k_greedy_samples_is_greedy_accuracy_and_sampled_is_a_mean_of
 
     model, tok = tiny.load_tiny(warm_cache, warmup_steps=TEST_WARMUP, log=lambda m: None)  # the warmed-up policy
     problems = [Problem(q, a) for q, a in (("12+34=", "46"), ("7*8=", "56"), ("99-9=", "90"), ("3+4=", "7"))]
-    greedy = train.evaluate(model, tok, problems, 6, "cpu")
+    greedy = evaluate(model, tok, problems, 6, "cpu")
     # k greedy samples are k copies of the greedy completion: their mean accuracy is greedy accuracy.
-    assert train.evaluate(model, tok, problems, 6, "cpu", samples=3, temperature=0.0) == greedy
+    assert evaluate(model, tok, problems, 6, "cpu", samples=3, temperature=0.0) == greedy
     # Sampled: the mean over problems of the mean over k of the verifier, whatever the batching.
     rewards = []
 
@@ -97,7 +98,7 @@ def test_pass1_over_k_greedy_samples_is_greedy_accuracy_and_sampled_is_a_mean_of
 
     gen = torch.Generator().manual_seed(0)
     k = 4
-    acc = train.evaluate(model, tok, problems, 6, "cpu", counting, samples=k, temperature=1.0, generator=gen)
+    acc = evaluate(model, tok, problems, 6, "cpu", counting, samples=k, temperature=1.0, generator=gen)
     assert len(rewards) == k * len(problems) and acc == pytest.approx(sum(rewards) / len(rewards))
     assert 0.0 < greedy <= 1.0
 

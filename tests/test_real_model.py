@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import problems.prompts
 import train
 from bookkeeping import run_io
 from config import Config, ConfigError, resolve
@@ -29,6 +30,7 @@ from engine import policy
 from engine.chunked_logprobs import chunked_token_logprobs
 from objective import aggregation_total, policy_loss
 from problems import tasks
+from problems.prompts import completion_texts
 from problems.tasks import INSTRUCTION, Problem, encode_prompts
 from reward import math_reward
 from rollout import Rollout, generate
@@ -212,6 +214,13 @@ def test_the_prompt_is_the_chat_template_with_the_generation_prompt(smollm2):
     assert "42" not in tasks.WORD_INSTRUCTION and INSTRUCTION.startswith(tasks.WORD_INSTRUCTION[:-1])
 
 
+def verify(tok, problems, group_size, reward, ro) -> torch.Tensor:
+    """`reward` (completion, gold) on each decoded completion of `ro` (problems.prompts.completion_texts, what the
+    loop's rewards read) against its prompt's gold; rows are group-major."""
+    golds = [p.gold for p in problems for _ in range(group_size)]
+    return torch.tensor([reward(t, g) for t, g in zip(completion_texts(tok, ro), golds)])
+
+
 @real
 def test_nothing_of_the_template_reaches_the_verifier(smollm2, monkeypatch):
     model, tok = smollm2
@@ -225,7 +234,7 @@ def test_nothing_of_the_template_reaches_the_verifier(smollm2, monkeypatch):
     keep = (torch.arange(ids.shape[1]) < n).long().repeat(2, 1)  # (2, T) through the first <|im_end|>
     zeros = torch.zeros(ids.shape)
     ro = Rollout(ids[:, :1], torch.ones(2, 1, dtype=torch.long), ids, keep, zeros, zeros, torch.tensor([False] * 2))
-    rewards = train.verifier(tok, [Problem("q", "12")], 2, reading)(ro)
+    rewards = verify(tok, [Problem("q", "12")], 2, reading, ro)
     assert seen == ["#### 12", "#### 1"] and rewards.tolist() == [1.0, 0.0]
     # Sampled completions of the real model: what the verifier reads holds no template token.
     seen.clear()
@@ -240,7 +249,7 @@ def test_nothing_of_the_template_reaches_the_verifier(smollm2, monkeypatch):
         generator=torch.Generator().manual_seed(0),
         **special(tok),
     )
-    train.verifier(tok, WORD[:2], 2, reading)(ro)
+    verify(tok, WORD[:2], 2, reading, ro)
     assert len(seen) == 4
     for text, row, keep in zip(seen, ro.completion_ids, ro.completion_mask):
         assert "<|im_" not in text and "<|endoftext|>" not in text
@@ -396,7 +405,7 @@ def run_two_steps(cfg: Config, policy, tokenizer, monkeypatch) -> tuple[list[dic
     """train.train for `cfg` with `policy` as --model's (no second load); every group gets mixed rewards, so
     both steps update whatever the model samples. Returns the metrics rows and the trained policy."""
     coin = random.Random(0)
-    monkeypatch.setattr(train, "math_reward", lambda text, gold: float(coin.random() < 0.5))
+    monkeypatch.setattr(problems.prompts, "math_reward", lambda text, gold: float(coin.random() < 0.5))
     monkeypatch.setattr(train, "load_policy", lambda cfg, log=print: (policy, tokenizer))
     train.train(cfg)
     lines = (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import step
+import train
 from bookkeeping.checkpoint import latest_checkpoint, save_checkpoint
 from config import Config, resolve
 from conftest import ROOT, TEST_WARMUP
@@ -216,7 +216,7 @@ def test_non_finite_gradients_skip_the_step_and_three_stop_the_run(model, tok, t
     batch.advantages = batch.advantages * float("nan")
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    st, _ = step.update(resolve(Config(out=str(tmp_path))), model, opt, batch, None)
+    st, _ = train.update(resolve(Config(out=str(tmp_path))), model, opt, batch, None)
     assert st["nonfinite_updates"] == 1
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # no optimizer step
 

@@ -18,6 +18,7 @@ import torch
 
 import config
 import train
+from bookkeeping.failures import Diverged, check_finite_weights, stop_if_diverged
 from conftest import ROOT, TEST_WARMUP
 
 pytestmark = pytest.mark.model  # trains a model: CI runs these again under plain kernels
@@ -266,11 +267,11 @@ def test_weights_that_are_not_finite_stop_the_run_before_they_are_saved(tok):
     from engine import tiny
 
     model = tiny.build_model(tok, seed=0)
-    train.check_finite_weights(model, "here")  # finite: nothing happens
+    check_finite_weights(model, "here")  # finite: nothing happens
     with torch.no_grad():
         model.model.norm.weight[0] = float("inf")
-    with pytest.raises(train.Diverged, match="here: the policy's weights are not finite"):
-        train.check_finite_weights(model, "here")
+    with pytest.raises(Diverged, match="here: the policy's weights are not finite"):
+        check_finite_weights(model, "here")
 
 
 def test_an_intermittently_non_finite_run_stops_and_saves_no_non_finite_weights(tmp_path, warm_cache, main):
@@ -284,13 +285,13 @@ def test_an_intermittently_non_finite_run_stops_and_saves_no_non_finite_weights(
 
 
 def test_the_divergence_rule_counts_a_window_as_well_as_a_streak():
-    train.stop_if_diverged([1, 2], 2)  # two in a row: go on
-    train.stop_if_diverged([1, 3, 5], 6)  # three of the last 20: go on
-    with pytest.raises(train.Diverged, match="3 in a row"):
-        train.stop_if_diverged([4, 5, 6], 6)
-    with pytest.raises(train.Diverged, match="4 of the last 20"):
-        train.stop_if_diverged([1, 2, 4, 6], 6)  # the --lr 1e30 pattern: never three in a row
-    train.stop_if_diverged([1, 2, 4, 6], 30)  # long ago: forgotten
+    stop_if_diverged([1, 2], 2)  # two in a row: go on
+    stop_if_diverged([1, 3, 5], 6)  # three of the last 20: go on
+    with pytest.raises(Diverged, match="3 in a row"):
+        stop_if_diverged([4, 5, 6], 6)
+    with pytest.raises(Diverged, match="4 of the last 20"):
+        stop_if_diverged([1, 2, 4, 6], 6)  # the --lr 1e30 pattern: never three in a row
+    stop_if_diverged([1, 2, 4, 6], 30)  # long ago: forgotten
 
 
 # --- everything a user can cause is one line ----------------------------------------------------------------------

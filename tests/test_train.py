@@ -11,12 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import step
+import problems.prompts
 import train
 from advantage import group_advantages
 from config import Config, build_parser, resolve
 from conftest import ROOT, TEST_WARMUP, shared_data
 from engine.chunked_logprobs import chunked_token_logprobs
+from engine.policy import Models
+from problems.prompts import PromptStream
 from problems.tasks import Problem, encode_prompts, load_task
 from rollout import generate
 
@@ -55,7 +57,7 @@ def make_batch(model, tok, seed=0, group=4, temperature=1.0):
     rewards = torch.tensor([float(i % 3 == 0) for i in range(ro.completion_ids.shape[0])])  # mixed groups
     rewards[:group] = 1.0  # one all-equal group: masked out
     adv, valid = group_advantages(rewards, group)
-    return step.Batch(
+    return train.Batch(
         input_ids=ro.input_ids,
         attention_mask=ro.attention_mask,
         completion_mask=ro.completion_mask,
@@ -65,7 +67,7 @@ def make_batch(model, tok, seed=0, group=4, temperature=1.0):
     )
 
 
-def stale(batch: step.Batch, alpha_logp: torch.Tensor) -> step.Batch:
+def stale(batch: train.Batch, alpha_logp: torch.Tensor) -> train.Batch:
     """The batch as a stale step sees it: sampled by an alpha whose log-probs are `alpha_logp`, not pi_k."""
     return dataclasses.replace(batch, alpha_logp=alpha_logp)
 
@@ -80,7 +82,7 @@ def test_on_policy_gradient_is_group_baseline_reinforce(model, tok):
     # grad = -(1/|tokens|) sum_i A_i sum_t grad log pi(y_t): REINFORCE with the group baseline.
     batch = make_batch(model, tok)
     opt = RecordingOptimizer(model.parameters())
-    step.update(cfg_for(clip_eps=0.0), model, opt, batch, ref_logp=None)  # eps 0: clip as tight as it gets
+    train.update(cfg_for(clip_eps=0.0), model, opt, batch, ref_logp=None)  # eps 0: clip as tight as it gets
     mask = batch.loss_mask
     logp = chunked_token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
     model.zero_grad()
@@ -94,8 +96,8 @@ def test_reward_shuffle_deals_the_same_rewards_to_random_samples():
     # The null control: the advantages are those of a permutation of the step's rewards, so the
     # reward rate is kept and the link between a completion and its reward is cut.
     rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1])  # 4 groups of 4
-    plain_adv, _ = step.compute_advantages(cfg_for(), rewards, torch.Generator().manual_seed(0))
-    adv, valid = step.compute_advantages(cfg_for(reward_shuffle=True), rewards, torch.Generator().manual_seed(0))
+    plain_adv, _ = train.advantages_of(cfg_for(), rewards, torch.Generator().manual_seed(0))
+    adv, valid = train.advantages_of(cfg_for(reward_shuffle=True), rewards, torch.Generator().manual_seed(0))
     perm = torch.randperm(16, generator=torch.Generator().manual_seed(0))  # the same draw, replayed
     ref_adv, ref_valid = group_advantages(rewards[perm], 4)
     assert not torch.equal(perm, torch.arange(16))
@@ -114,7 +116,7 @@ def test_micro_batched_gradient_equals_whole_batch(model, tok, agg):
     grads = []
     for mb in (None, 4, 2):
         opt = RecordingOptimizer(model.parameters())
-        step.update(cfg_for(micro_batch=mb, agg=agg, beta=0.1), model, opt, stale(batch, alpha_logp), ref)
+        train.update(cfg_for(micro_batch=mb, agg=agg, beta=0.1), model, opt, stale(batch, alpha_logp), ref)
         grads.append(opt.grads[0])
     assert grads[0].abs().max() > 0
     assert torch.allclose(grads[1], grads[0], atol=1e-6, rtol=1e-4)
@@ -126,8 +128,8 @@ def test_micro_batched_gradient_equals_whole_batch(model, tok, agg):
 def test_mis_on_a_stale_step_micro_batched_equals_policy_loss_on_the_whole_batch(model, tok, agg, center, is_cap):
     # MIS's normaliser depends on log pi_k, which update() records during its first epoch: the gradient
     # of every micro-batching must still be objective.policy_loss's on the whole batch.
-    from objective import aggregation_total
-    from variants.corrections import corrected_policy_loss, mis_keep_mask
+    from objective import aggregation_total, policy_loss
+    from variants.corrections import correction_args, mis_keep_mask
 
     batch = make_batch(model, tok, seed=3)
     noise = 0.4 * torch.randn(batch.completion_mask.shape, generator=torch.Generator().manual_seed(1))
@@ -138,15 +140,27 @@ def test_mis_on_a_stale_step_micro_batched_equals_policy_loss_on_the_whole_batch
     assert (batch.loss_mask.bool() & ~keep).any() and (batch.loss_mask.bool() & keep).any()  # MIS drops some
     model.zero_grad()
     logp = chunked_token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
-    kw = dict(clip_center=center, is_cap=is_cap, is_mask=1.3, agg=agg, max_new_tokens=5)
     total = aggregation_total(batch.loss_mask * keep, agg, 5)
     A, loss_mask = batch.advantages, batch.loss_mask
-    corrected_policy_loss(logp, alpha_logp, lp, None, A, loss_mask, total=total, **kw)[0].backward()
+    corrections = correction_args(alpha_logp, lp, loss_mask, clip_center=center, is_cap=is_cap, is_mask=1.3)
+    policy_loss(
+        logp,
+        alpha_logp,
+        lp,
+        None,
+        A,
+        loss_mask,
+        total=total,
+        clip_center=center,
+        agg=agg,
+        max_new_tokens=5,
+        **corrections,
+    )[0].backward()
     expected = torch.cat([p.grad.flatten() for p in model.parameters()]).clone()
     for mb in (None, 4, 2):
         opt = RecordingOptimizer(model.parameters())
         cfg = cfg_for(micro_batch=mb, agg=agg, clip_center=center, is_cap=is_cap, is_mask=1.3, max_new_tokens=5)
-        stats, _ = step.update(cfg, model, opt, stale(batch, alpha_logp), None)
+        stats, _ = train.update(cfg, model, opt, stale(batch, alpha_logp), None)
         assert torch.allclose(opt.grads[0], expected, atol=1e-6, rtol=1e-4), mb
         assert stats["is_masked_frac"] > 0 and (stats["is_capped_frac"] > 0) == (is_cap is not None)
 
@@ -155,7 +169,7 @@ def test_pi_k_is_recorded_from_the_first_inner_epoch(model, tok):
     batch = make_batch(model, tok, seed=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     expected = chunked_token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0).detach()
-    _, pi_k_logp = step.update(cfg_for(inner_steps=3, micro_batch=4), model, opt, batch, None)
+    _, pi_k_logp = train.update(cfg_for(inner_steps=3, micro_batch=4), model, opt, batch, None)
     assert torch.allclose(pi_k_logp, expected, atol=1e-6)  # recorded before the weights moved
     after = chunked_token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
     assert not torch.allclose(after, expected, atol=1e-3)  # and the weights did move
@@ -185,7 +199,7 @@ def test_a_refresh_samples_its_whole_cycle_from_the_live_policy(
     the prompts those steps would have drawn; a later batch's log alpha is that policy's (recompute) or the
     sampler's own (sampler), and the update of step k + j sees exactly that batch."""
     calls, updates, holder = [], [], {}
-    real_generate, real_update, real_load = step.generate_batches, step.update, train.load_policy
+    real_generate, real_update, real_load = train.generate_batches, train.update, train.load_policy
     flat = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()]).clone()  # noqa: E731
 
     def generate_spy(model, prompts, **kw):
@@ -201,19 +215,21 @@ def test_a_refresh_samples_its_whole_cycle_from_the_live_policy(
         holder["policy"], t = real_load(*a, **kw)
         return holder["policy"], t
 
-    monkeypatch.setattr(step, "generate_batches", generate_spy)
-    monkeypatch.setattr(step, "update", update_spy)
+    monkeypatch.setattr(train, "generate_batches", generate_spy)
+    monkeypatch.setattr(train, "update", update_spy)
     coin = random.Random(0)
-    monkeypatch.setattr(train, "math_reward", lambda c, g: float(coin.random() < 0.5))  # every step has signal
+    monkeypatch.setattr(
+        problems.prompts, "math_reward", lambda c, g: float(coin.random() < 0.5)
+    )  # every step has signal
     monkeypatch.setattr(train, "load_policy", load_spy)
     train.train(small_cfg(warm_cache, tmp_path, offpolicy_steps=v, alpha_logp_from=alpha_logp_from))
     assert len(calls) == -(-7 // v) and len(updates) == 7  # one sampling call per cycle, an update per step
-    assert all(live for live, *_ in calls) and step.Models.__dataclass_fields__.keys() == {"policy", "opt", "ref"}
+    assert all(live for live, *_ in calls) and Models.__dataclass_fields__.keys() == {"policy", "opt", "ref"}
     assert all(len(prompts) == min(v, 7 - v * c) for c, (_, _, prompts, _) in enumerate(calls))
     if v > 1:
         assert not torch.equal(calls[1][1], calls[0][1])  # the second cycle's alpha is the moved policy
     # The prompts, cycle by cycle, are those a v = 1 run draws step by step (the stream's order).
-    stream = train.PromptStream(load_task("arithmetic")[0], 0)
+    stream = PromptStream(load_task("arithmetic")[0], 0)
     drawn = [encode_prompts(tok, stream.next(4), "cpu")[0] for _ in range(7)]
     sampled = [p for *_, prompts, _ in calls for p in prompts]
     assert len(sampled) == 7 and all(torch.equal(a, b) for a, b in zip(sampled, drawn))
@@ -338,7 +354,7 @@ def test_help_and_the_flags_page_list_every_config_field_and_no_other():
 
 def test_a_step_without_signal_still_measures_the_sampler(warm_cache, tmp_path, monkeypatch):
     # Equal rewards everywhere: no update, but the row still says whether the sampler saw the trained model.
-    monkeypatch.setattr(train, "math_reward", lambda text, gold: 0.0)
+    monkeypatch.setattr(problems.prompts, "math_reward", lambda text, gold: 0.0)
     cfg = resolve(
         Config(
             steps=2,

@@ -8,9 +8,11 @@ import math
 import pytest
 import torch
 
+import train
 from config import Config, resolve
 from engine.chunked_logprobs import SelectedLogProb, chunked_token_logprobs
 from engine.decoding import static_sampler
+from engine.policy import make_models
 from logprobs import Truncation, kept_tokens, sampling_logits, token_logprobs
 from problems.tasks import Problem, encode_prompts
 from rollout import generate
@@ -145,8 +147,6 @@ def test_the_gradient_through_the_renormalised_log_prob_matches_finite_differenc
 def test_rho_prime_is_one_at_a_refresh_with_top_p_on(model, tok, alpha_logp_from, tmp_path):
     """At a refresh alpha = pi_k. With log alpha from pi_k's own forward, rho' = 1 exactly; with the sampler's log
     alpha, rho' = 1 up to the sampler's numerics (sampler_mismatch ~ 0): the two are renormalised over one set."""
-    import step as step_mod
-
     cfg = resolve(
         Config(
             top_p=0.8,
@@ -158,11 +158,11 @@ def test_rho_prime_is_one_at_a_refresh_with_top_p_on(model, tok, alpha_logp_from
             out=str(tmp_path),
         )
     )
-    models = step_mod.make_models(cfg, model)
+    models = make_models(cfg, model)
     problems = [Problem("12+34=", "46"), Problem("7*8=", "56")]
     mixed = lambda ro: torch.tensor([1.0, 0.0] * 4)  # noqa: E731  every group has signal: the update runs
     draws = [(*encode_prompts(tok, problems, "cpu"), mixed) for _ in range(2)]
-    res, _ = step_mod.grpo_step(cfg, models, tok, 0, torch.Generator().manual_seed(0), None, lambda n: draws[:n])
+    res, _ = train.grpo_step(cfg, models, tok, 0, torch.Generator().manual_seed(0), None, lambda k, n: draws[:n])
     assert res.refresh
     if alpha_logp_from == "recompute":
         assert res.stats["rho_prime_max"] == 1.0 and res.stats["rho_prime_p99"] == 1.0

@@ -30,6 +30,7 @@ from conftest import ROOT, TEST_WARMUP, needs, shared_data
 from problems import tasks
 from problems import user_rewards as rewards
 from problems.math_verifier import symbolic_reward
+from problems.prompts import score_rows
 from problems.tasks import Problem, Prompting, TaskError, load_dataset_problems, render_prompt
 from problems.user_rewards import MathVerifier, RewardError, Rewards, RewardState, load_reward
 
@@ -419,7 +420,7 @@ def test_a_conversational_column_reaches_the_rewards_as_trl_gives_it(tmp_path):
     train_set, heldout = load_dataset_problems(str(path), eval_size=2)
     p = heldout[0]
     assert p.messages == rows[0]["prompt"] and p.prompt == rows[0]["prompt"] and p.question == "12+34="
-    # The loop hands a reward function the messages and [{"role": "assistant", ...}] completions (train.score_rows).
+    # The loop hands a reward function the messages and [{"role": "assistant", ...}] completions (problems.prompts.score_rows).
     seen = {}
 
     def fn(prompts, completions, answer, **kw):
@@ -430,7 +431,7 @@ def test_a_conversational_column_reaches_the_rewards_as_trl_gives_it(tmp_path):
         completion_ids = torch.tensor([[8, 10, 1]])
         completion_mask = torch.tensor([[1, 1, 1]])
 
-    scores = train.score_rows(Rewards([rewards.Reward("fn", "fn", fn)]), [p], ["46"], Ro, RewardState(0, 1))
+    scores = score_rows(Rewards([rewards.Reward("fn", "fn", fn)]), [p], ["46"], Ro, RewardState(0, 1))
     assert seen["prompts"] == [rows[0]["prompt"]] and seen["completions"] == [[{"role": "assistant", "content": "46"}]]
     assert scores.total.tolist() == [1.0]
     with pytest.raises(TaskError, match="--no-chat-template needs text"):

@@ -1,0 +1,99 @@
+"""What a checkpoint holds, and a resume reads back: everything the next step reads, so that a resumed run
+continues bit for bit (checkpoint.py writes and reads the files atomically).
+
+    run_state   the policy, optimizer, pi_ref, generator, data position, the unfinished cycle and its scores
+    restore     the newest readable checkpoint back into the models, the generator and the prompt stream
+"""
+
+import json
+
+from bookkeeping.checkpoint import (
+    checkpoint_dir,
+    checkpoints,
+    load_checkpoint,
+    load_policy_state,
+    policy_state,
+    rng_state,
+    set_rng_state,
+)
+from bookkeeping.run_io import RunWriter
+from config import Config, ConfigError
+from engine.policy import Models
+from problems.prompts import PromptStream
+from problems.user_rewards import Scores
+from rollout import Cycle
+
+
+def run_state(
+    models: Models, gen, stream: PromptStream, cycle: Cycle | None, step: int, start: dict, wall: float, scored=None
+) -> dict:
+    """Everything the next step reads, so that a resumed run continues bit for bit.
+
+    The unfinished refresh cycle is saved too: its batches were drawn from alpha, a policy up to v - 1 steps
+    old that the current weights cannot reproduce (with their rewards and log alpha). The sampling
+    generator's state and the data position (already past the cycle's prompts) make the next cycle's
+    samples those of the uninterrupted run. So are the reward functions' own figures for the cycle's later steps
+    (`scored`: each step's Scores), which its metrics rows report.
+    """
+    state = {
+        "policy": policy_state(models.policy),
+        "optimizer": models.opt.state_dict(),
+        "rng": rng_state(gen),
+        "step": step,
+        "data_position": stream.position,
+        "eval_accuracy_start": start.get("eval_accuracy"),
+        "eval_pass1_start": start.get("eval_pass1"),
+        "wall_s": wall,
+    }
+    if cycle is not None and cycle.covers(step):
+        state["cycle"] = cycle.state()
+        state["scores"] = {
+            k: {
+                "parts": sc.parts,
+                "total": sc.total,
+                "metrics": sc.metrics,
+                "extras": json.dumps(sc.extras, default=str),
+            }
+            for k, sc in (scored or {}).items()
+            if k >= step
+        }
+    if models.ref is not None:
+        state["ref"] = models.ref.state_dict()
+    return state
+
+
+def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunWriter):
+    """Load the newest readable checkpoint into the models; returns (step, the start's held-out metrics, wall
+    seconds, the unfinished refresh cycle or None, the reward functions' Scores of its steps)."""
+    # Complete means renamed into place after an fsync; a file damaged since (a truncated copy, a bad disk) is
+    # passed over for the one before it, with a notice naming both.
+    found = checkpoints(cfg.out)
+    if not found:
+        raise ConfigError(f"--resume: no complete checkpoint in {checkpoint_dir(cfg.out)}")
+    for path in reversed(found):
+        try:
+            ck = load_checkpoint(path)  # torch.load(weights_only=True): a checkpoint is data, never code
+            break
+        except Exception as e:  # a damaged file raises whatever the zip or unpickling layer meets first
+            reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+            writer.log(f"--resume: {path} cannot be read ({reason}); trying the one before it")
+    else:
+        raise ConfigError(f"--resume: no readable checkpoint in {checkpoint_dir(cfg.out)} (newest: {found[-1]})")
+    if path != found[-1]:
+        writer.log(f"--resume: {found[-1]} was unreadable; resuming from {path}")
+    load_policy_state(models.policy, ck["policy"])
+    cycle = Cycle.from_state(ck["cycle"], cfg.device) if "cycle" in ck else None
+    if models.ref is not None:
+        models.ref.load_state_dict(ck["ref"])
+    models.opt.load_state_dict(ck["optimizer"])
+    set_rng_state(ck["rng"], gen)
+    stream.position = ck["data_position"]
+    # Steps after the checkpoint were logged by the run that died; they will be logged again.
+    writer.truncate_metrics(ck["step"])
+    writer.log(f"resumed from {path} at step {ck['step']}")
+    start = {"eval_accuracy": ck["eval_accuracy_start"], "eval_pass1": ck.get("eval_pass1_start")}
+    scored = {
+        k: Scores(sc["parts"], sc["total"], sc["metrics"], json.loads(sc["extras"]))
+        for k, sc in ck.get("scores", {}).items()
+    }
+    return ck["step"], {k: x for k, x in start.items() if x is not None}, ck["wall_s"], cycle, scored
