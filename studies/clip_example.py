@@ -66,7 +66,8 @@ def explain(x: dict, step: int) -> str:
         f"  rho' = pi_k / alpha = exp({x['log_pi_k']:.4f} - ({x['log_alpha']:.4f})) = {rho_p:.4f}",
         f"  rho  = pi_theta / alpha = {rho:.4f}",
         f"  [A]'s interval [max(rho' - eps_low, 0), rho' + eps_high] = [{lo:.4f}, {hi:.4f}]",
-        f"  rho is {side}: min(rho A, clip(rho) A) = min({rho * A:+.4f}, {bound * A:+.4f}) = {min(rho * A, bound * A):+.4f},",
+        f"  rho is {side}: min(rho A, clip(rho) A) = min({rho * A:+.4f}, {bound * A:+.4f})"
+        f" = {min(rho * A, bound * A):+.4f},",
         "  the clipped branch, a constant: this token's gradient is 0.",
         f"  PPO's interval around 1, [{ppo_lo:.2f}, {ppo_hi:.2f}], would have: {ppo} (rho = {rho:.4f}).",
     ]

@@ -15,7 +15,7 @@ from rollout import generate
 
 
 def completions(model, tok, problems, max_new_tokens: int) -> list[str]:
-    """bookkeeping.evaluation.evaluate's decoding (greedy, the same `generate`), returning the texts instead of the score."""
+    """bookkeeping.evaluation.evaluate's decoding (greedy, the same `generate`), returning the texts, not the score."""
     ids, mask = encode_prompts(tok, problems, "cpu")
     special = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     with torch.no_grad():

@@ -1,4 +1,5 @@
-"""Held-out greedy accuracy (bookkeeping.evaluation.evaluate, as train.py reports it) of a GGUF model or of a checkpoint's policy.
+"""Held-out greedy accuracy (bookkeeping.evaluation.evaluate, as train.py reports it) of a GGUF model or of a
+checkpoint's policy.
 
     OMP_NUM_THREADS=1 python -m studies.real_model_eval GGUF CHECKPOINT|- N MAX_NEW_TOKENS
 

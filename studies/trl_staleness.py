@@ -19,8 +19,8 @@ temperature 0.7, lr 2e-4 constant, no KL, eps 0.2. The two arms:
                 clipped around alpha (TRL's old_per_token_logps, computed at the generation)
 What stays TRL's own and differs from ours: its prompt order (RepeatSampler), its loss normaliser (`dapo`: the
 generation's tokens) and its zero-variance groups (advantage 0, but counted in the normaliser, where our recipe
-masks them out). Held-out accuracy is this repository's `bookkeeping.evaluation.evaluate` (greedy, the same 200 problems) at the
-end; the start is the base model's, 0.070 in every run of the 12-step study.
+masks them out). Held-out accuracy is this repository's `bookkeeping.evaluation.evaluate` (greedy, the same 200
+problems) at the end; the start is the base model's, 0.070 in every run of the 12-step study.
 
 Records (config.json: the TRL arguments that differ from TRL's defaults; metrics.jsonl: TRL's log history;
 summary.json) go to results/trl_staleness/<arm>-s<seed>/; the table compares the gap v4 - on-policy, per seed,

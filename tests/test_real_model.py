@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import problems.prompts
 import train
 from bookkeeping import run_io
 from config import Config, ConfigError, resolve
@@ -29,7 +28,7 @@ from conftest import ROOT, needs, shared_data
 from engine import policy
 from engine.chunked_logprobs import chunked_token_logprobs
 from objective import aggregation_total, policy_loss
-from problems import tasks
+from problems import prompts, tasks
 from problems.prompts import completion_texts
 from problems.tasks import INSTRUCTION, Problem, encode_prompts
 from reward import math_reward
@@ -405,7 +404,7 @@ def run_two_steps(cfg: Config, policy, tokenizer, monkeypatch) -> tuple[list[dic
     """train.train for `cfg` with `policy` as --model's (no second load); every group gets mixed rewards, so
     both steps update whatever the model samples. Returns the metrics rows and the trained policy."""
     coin = random.Random(0)
-    monkeypatch.setattr(problems.prompts, "math_reward", lambda text, gold: float(coin.random() < 0.5))
+    monkeypatch.setattr(prompts, "math_reward", lambda text, gold: float(coin.random() < 0.5))
     monkeypatch.setattr(train, "load_policy", lambda cfg, log=print: (policy, tokenizer))
     train.train(cfg)
     lines = (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()

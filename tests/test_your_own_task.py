@@ -420,7 +420,8 @@ def test_a_conversational_column_reaches_the_rewards_as_trl_gives_it(tmp_path):
     train_set, heldout = load_dataset_problems(str(path), eval_size=2)
     p = heldout[0]
     assert p.messages == rows[0]["prompt"] and p.prompt == rows[0]["prompt"] and p.question == "12+34="
-    # The loop hands a reward function the messages and [{"role": "assistant", ...}] completions (problems.prompts.score_rows).
+    # The loop hands a reward function the messages and [{"role": "assistant", ...}] completions
+    # (problems.prompts.score_rows).
     seen = {}
 
     def fn(prompts, completions, answer, **kw):
