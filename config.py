@@ -183,7 +183,7 @@ class Config:
     warmup_ratio: float = arg(0.0, "the first ceil(ratio x --steps) steps ramp the learning rate up from 0 (TRL's)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clipping")
-    inner_steps: int = arg(1, "optimizer steps on each batch ([A]'s i); > 1 reuses samples")
+    inner_steps: int = arg(1, "optimizer steps on each batch ([A]'s mu); > 1 reuses samples")
     micro_batch: int | None = arg(
         None,
         "sequences per forward/backward chunk, a divisor of N (default: on CUDA the largest divisor of N whose "

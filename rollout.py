@@ -74,7 +74,7 @@ class Sampled:
 @dataclass
 class Cycle:
     """The batches of one refresh cycle: steps start, start + 1, ..., sampled at once from alpha = pi_theta of
-    step `start` (step.py's module docstring)."""
+    step `start` (train.py's module docstring)."""
 
     start: int
     batches: list[Sampled]

@@ -76,7 +76,7 @@ from engine.chunked_logprobs import chunked_token_logprobs
 from engine.decoding import sampling_path, static_sampler
 from engine.policy import Models, auto_micro_batch, autocast, load_policy, make_models
 from objective import aggregation_total, policy_loss
-from problems.prompts import Draw, PromptStream, fit_to_context, load_problems, run_rewards
+from problems.prompts import Draw, PromptStream, fit_to_context, load_problems, run_rewards, warn_of_overlap
 from problems.tasks import TaskError, prompt_record
 from problems.user_rewards import RewardError, Rewards
 from rollout import Cycle, Rollout, Sampled, generate_batches, sample
@@ -139,7 +139,8 @@ def grpo_step(
         if models.ref is not None and cfg.ref_refresh and k > 0 and k % cfg.ref_refresh == 0:
             models.ref.load_state_dict(models.policy.state_dict())
 
-    # 1-3. refresh: alpha <- pi_theta samples and scores the batches of steps k, ..., up to the next refresh, now
+    # 1-3. refresh: alpha <- pi_theta samples and scores the batches of steps k, ..., up to the next refresh, now.
+    # The cycle holds no batch for step k when k mod v = 0, or when it was lost (deviation 2).
     refresh = cycle is None or not cycle.covers(k)
     if refresh:
         n = min(cfg.offpolicy_steps - k % cfg.offpolicy_steps, cfg.steps - k)
@@ -253,8 +254,10 @@ def update(cfg: Config, policy, opt, batch: Batch, ref_logp) -> tuple[dict, torc
     # rho' = pi_k / alpha does not depend on pi_theta: its quantiles, max and the TIS / MIS fractions are the whole
     # step's, exact whatever the micro-batching.
     alpha_logp = pi_k_logp if batch.alpha_logp is None else batch.alpha_logp
-    corrections = dict(is_cap=cfg.is_cap, is_mask=cfg.is_mask, is_level=cfg.is_level)
-    return stats.result(sampler_mismatch_stats(alpha_logp, pi_k_logp, loss_mask, **corrections)), pi_k_logp
+    mismatch = sampler_mismatch_stats(
+        alpha_logp, pi_k_logp, loss_mask, is_cap=cfg.is_cap, is_mask=cfg.is_mask, is_level=cfg.is_level
+    )
+    return stats.result(mismatch), pi_k_logp
 
 
 def logprobs(cfg: Config, model, seq, rows=slice(None)) -> torch.Tensor:
@@ -431,6 +434,7 @@ def run(cfg: Config, writer: RunWriter, train_set: list, heldout: list, rewards:
     # ---- the setup: the policy, its optimizer and pi_ref; the prompts that fit; the sampling generator ----
     device = torch.device(cfg.device)
     rewards = rewards or run_rewards(cfg)
+    warn_of_overlap(train_set, heldout, log=writer.log)
     policy, tokenizer = load_policy(cfg, log=writer.log)  # the built-in tiny policy, or a transformers causal LM
     train_set, heldout = fit_to_context(cfg, policy, tokenizer, train_set, heldout, log=writer.log)
     models = make_models(cfg, policy.to(cfg.device))

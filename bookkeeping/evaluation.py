@@ -193,7 +193,7 @@ def logged_rows(cfg: Config, tokenizer, step: int, res, scores: Scores | None, n
             "row": i,
             "group": i // cfg.group_size,
             **row,
-            "advantage": res.advantages[i].item(),
+            "advantage": res.batch.advantages[i].item(),
         }
         for i, row in zip(pick, rows)
     ]

@@ -3,6 +3,6 @@
     trl_grpo.py    OffPolicyGRPOTrainer, [A]'s off-policy GRPO in TRL's GRPOTrainer (`python -m integrations.trl_grpo`)
     verl_grpo.py   the loss and advantage registered in verl
 
-They import the top-level concept files (objective, advantage, reinforce, corrections). TRL's own test suite run
+They import the algorithm files at the top (objective, advantage) and variants/reinforce.py. TRL's own test suite run
 against the trainer: tests/trl_upstream.py.
 """

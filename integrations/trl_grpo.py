@@ -15,7 +15,7 @@ set. Neither set: v = 1, stock TRL's one generation per optimizer step. A GRPO s
   2. TRL's reward functions, then `advantage.group_advantages` over the whole generation (population std, eps inside
      the square root); with mask_zero_std, equal-reward groups leave the loss and its normaliser (in `loss_mask`);
   3. log alpha = TRL's `old_per_token_logps`: with v > 1 (or vLLM's correction on) TRL computes it at generation time
-     from logits / tau; with v = i = 1 alpha = pi_k and it is None. log pi_k = the step's own forward, detached (until
+     from logits / tau; with v = mu = 1 alpha = pi_k and it is None. log pi_k = the step's own forward, detached (until
      the step's optimizer step pi_theta is pi_k); with num_iterations (i) > 1 TRL trains on each slice i times, and
      pi_k is the policy of the slice's first pass (its log-probs kept in the slice for the later passes);
   4. `objective.policy_loss` (its docstring states [A]'s surrogate; clip_center="alpha" is PPO / stock TRL), or

@@ -2,6 +2,7 @@
 
 load_problems     (train, held-out) problems of --task or --dataset, written as the prompt flags say
 fit_to_context    drops the prompts that leave no room for --max-new-tokens in the model's context
+warn_of_overlap   a warning when held-out questions are also training questions
 run_rewards       the run's reward functions (--reward, --reward-weights): user_rewards.py
 PromptStream      the training prompts, a fresh seeded shuffle each epoch; resumable by position
 Draw              the step's `draw(k, n)`: the prompts of steps k, ..., k + n - 1, each with its scorer
@@ -33,9 +34,7 @@ def load_problems(cfg: Config, rewards: Rewards) -> tuple[list[Problem], list[Pr
 
 def fit_to_context(cfg: Config, policy, tokenizer, train_set, heldout, log) -> tuple[list[Problem], list[Problem]]:
     """The problems whose prompts leave room for --max-new-tokens in the model's context; the others are skipped,
-    with a count. Warns of held-out questions that are also training questions."""
-    if overlap := len({p.question for p in heldout} & {p.question for p in train_set}):
-        log(f"warning: {overlap} of the {len(heldout)} held-out questions are also training questions")
+    with a count."""
     context = getattr(policy.config, "max_position_embeddings", None)
     if not context:
         return train_set, heldout
@@ -49,6 +48,12 @@ def fit_to_context(cfg: Config, policy, tokenizer, train_set, heldout, log) -> t
             f"model's context ({context}) minus --max-new-tokens ({cfg.max_new_tokens})"
         )
     return train_set, heldout
+
+
+def warn_of_overlap(train_set: list[Problem], heldout: list[Problem], log) -> None:
+    """A warning when held-out questions are also training questions: the held-out figures would flatter the run."""
+    if overlap := len({p.question for p in heldout} & {p.question for p in train_set}):
+        log(f"warning: {overlap} of the {len(heldout)} held-out questions are also training questions")
 
 
 def reward_of(task: str):

@@ -23,7 +23,7 @@ Configs (all others at Config's defaults; every run shares the warmed-up tiny po
                        so the step is exactly group-baseline REINFORCE). With one inner step the gradient
                        is taken at rho = rho', the centre of [A]'s interval, so its clip never acts and
                        v>1 is rho'-weighted REINFORCE (tests/test_objective.py checks this identity).
-  v1-inner4            the other road off-policy: 4 optimizer steps on each batch (sample reuse, [A]'s i).
+  v1-inner4            the other road off-policy: 4 optimizer steps on each batch (sample reuse, [A]'s mu).
   v4-behaviour-centre  v=4 with the PPO/TRL clip interval [1-eps, 1+eps] instead of [A]'s rho'-centred one.
   v1-no-mask           [A]'s zero-std masking switched off: all-equal groups stay in the normaliser.
   rec-v4, opmd-v4      [B]'s REC and OPMD losses at v=4.

@@ -40,7 +40,7 @@ def sym(answer: str, gold: str) -> float:
 def test_import_and_numeric_mode_work_without_math_verify():
     code = (
         "import sys; sys.modules['math_verify'] = None\n"  # `import math_verify` now raises ImportError
-        "import reward, math_verifier\n"
+        "import reward\nfrom problems import math_verifier\n"
         "assert reward.math_reward('#### 1,234', '1234') == 1.0\n"
         "assert reward.math_reward('so \\\\boxed{\\\\frac{3}{4}}', '0.75') == 1.0\n"
         "assert reward.math_reward('#### 5', '6') == 0.0\n"

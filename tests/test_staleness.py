@@ -197,7 +197,7 @@ def test_tis_caps_the_weight_of_the_decoupled_objective():
 
 
 def test_decoupled_weight_is_a_constant_for_the_gradient():
-    # log pi_k taken from the live forward without .detach() (step.py records logp.detach(); a caller may
+    # log pi_k taken from the live forward without .detach() (train.update records logp.detach(); a caller may
     # not): the weight rho' must still carry no gradient, so passing x or x.detach() gives the same gradient.
     logp, alpha_logp, _, _, adv, mask = random_batch(5)
     grads = []
