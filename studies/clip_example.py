@@ -5,8 +5,9 @@
 It runs train.py with the flags given (any of them) and watches every loss the run computes (train.loss_of). With
 one inner step the gradient is taken where rho = rho', inside [A]'s interval, so the clip never acts; from the
 second inner step of a stale step on, pi_theta has moved away from pi_k and a token can leave its interval. The
-first such token is printed as a worked example, with what PPO's interval around 1 would have done to it, then
-each step's clip fractions from the run's metrics.jsonl. docs/design.md shows its output.
+stalest such token is printed as a worked example, with what PPO's interval around 1 would have done to it; then
+how many tokens each interval clipped over the run, and the clip fractions of the run's metrics.jsonl.
+docs/design.md, "The clip acting", shows its output.
 """
 
 import json
@@ -52,6 +53,24 @@ def first_clipped_token(cfg, logp, alpha_logp, pi_k_logp, advantages, loss_mask)
         }
 
 
+def clip_counts(cfg, logp, alpha_logp, pi_k_logp, advantages, loss_mask) -> torch.Tensor:
+    """(tokens, clipped by [A]'s interval, clipped by PPO's interval around 1, clipped by PPO's only) over the loss's
+    tokens of a micro-batch: what centring the interval on rho' changes."""
+    with torch.no_grad():
+        rho = torch.exp(logp.detach() - alpha_logp)  # (n, T)
+        rho_prime = torch.exp(pi_k_logp - alpha_logp)  # (n, T)
+        eps_high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
+        A = advantages[:, None].expand_as(rho)
+        on = loss_mask > 0
+
+        def acts(center):
+            lo, hi = clip_interval(rho_prime, center, cfg.clip_eps, eps_high)
+            return ((rho > hi) & (A > 0) | (rho < lo) & (A < 0)) & on
+
+        ours, ppo = acts("pi_k"), acts("alpha")
+        return torch.stack([on.sum(), ours.sum(), ppo.sum(), (ppo & ~ours).sum()]).double()
+
+
 def explain(x: dict, step: int) -> str:
     """The worked example, in [A]'s notation."""
     A, rho, rho_p, lo, hi = x["A"], x["rho"], x["rho_prime"], x["lo"], x["hi"]
@@ -75,7 +94,7 @@ def explain(x: dict, step: int) -> str:
 
 
 def main(argv: list[str]) -> int:
-    found, calls = {}, {"k": -1}
+    found, calls, counts = {}, {"k": -1}, torch.zeros(4, dtype=torch.float64)
     real_step, real_loss = train.grpo_step, train.loss_of
 
     def step_spy(cfg, models, tokenizer, k, *a, **kw):
@@ -83,6 +102,8 @@ def main(argv: list[str]) -> int:
         return real_step(cfg, models, tokenizer, k, *a, **kw)
 
     def loss_spy(cfg, logp, alpha_logp, pi_k_logp, ref_logp, advantages, loss_mask, total):
+        if cfg.loss == "grpo":
+            counts.add_(clip_counts(cfg, logp, alpha_logp, pi_k_logp, advantages, loss_mask))
         if not found:
             x = first_clipped_token(cfg, logp, alpha_logp, pi_k_logp, advantages, loss_mask)
             if x is not None:
@@ -98,6 +119,11 @@ def main(argv: list[str]) -> int:
         print(explain(found, found["step"]))
     else:
         print("the clip acted on no token of this run (one inner step, or a policy that barely moved)")
+    n, ours, ppo, ppo_only = counts.tolist()
+    print(
+        f"over the run's {n:.0f} loss tokens (every inner step): [A]'s interval clipped {ours / n:.4f} of them; "
+        f"PPO's around 1 would have clipped {ppo / n:.4f}, {ppo_only / n:.4f} of them tokens [A]'s keeps"
+    )
     if out is not None:
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         clipped = [r for r in rows if r.get("clip_low", 0) + r.get("clip_high", 0) > 0]
