@@ -46,7 +46,6 @@ Deviations from [A]:
 
 import contextlib
 import math
-import random
 import sys
 import time
 from collections.abc import Callable
@@ -54,9 +53,10 @@ from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
+from transformers import set_seed
 
 from advantage import group_advantages, red_drop, red_weight
-from bookkeeping.checkpoint import save_checkpoint
+from bookkeeping.checkpoint import rng_state, save_checkpoint, set_rng_state
 from bookkeeping.evaluation import eval_line, evaluation, logged_rows
 from bookkeeping.failures import (
     Diverged,
@@ -415,8 +415,7 @@ def train(cfg: Config) -> dict:
     """Run GRPO as configured; returns the summary (also written to --out/summary.json)."""
     # ---- the settings: the flags, the seeds, the rewards and the data (bad input fails here, before any write) ----
     validate(cfg)
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+    set_seed(cfg.seed)  # Python's, numpy's and torch's generators, as TRL seeds them (a reward may use any)
     rewards = run_rewards(cfg)
     train_set, heldout = load_problems(cfg, rewards)
     writer = RunWriter(cfg)  # claims --out: refuses a folder holding another run, or one another process writes
@@ -462,6 +461,12 @@ def run(cfg: Config, writer: RunWriter, train_set: list, heldout: list, rewards:
     if start:
         writer.log(eval_line(cfg, start, len(heldout)))
 
+    def checkpoint(done: int) -> None:  # the run after `done` steps, written atomically; Ctrl-C waits for it
+        check_finite_weights(models.policy, f"step {done - 1}")
+        state = run_state(models, gen, stream, cycle, done, start, time.time() - t0, draw.scored)
+        with signals_wait():
+            save_checkpoint(cfg.out, state, done, cfg.keep_checkpoints)
+
     # ---- the loop: step k of Algorithm 1, its metrics row, held-out evaluation, the divergence guard, checkpoints ----
     nonfinite = []  # the steps whose update was skipped as not finite (stop_if_diverged)
     bar = tqdm(
@@ -476,6 +481,7 @@ def run(cfg: Config, writer: RunWriter, train_set: list, heldout: list, rewards:
         t_step = time.time()
         for group in models.opt.param_groups:  # --lr-scheduler: a function of the step
             group["lr"] = lr_at(cfg, k)
+        before = rng_state(gen), stream.position
         try:
             res, cycle = grpo_step(cfg, models, tokenizer, k, gen, cycle, draw)
         except FloatingPointError:  # the sampler's logits are not finite: a diverged policy, a non-finite step
@@ -483,13 +489,24 @@ def run(cfg: Config, writer: RunWriter, train_set: list, heldout: list, rewards:
             nonfinite.append(k)
             stop_if_diverged(nonfinite, k)
             continue
+        except RewardError:  # a reward failed at step k's refresh, before any update: --resume redoes step k
+            if k > 0:
+                set_rng_state(before[0], gen)
+                stream.position = before[1]
+                checkpoint(k)
+            raise
         row = metrics_row(k, res, cfg.group_size, time.time() - t0, time.time() - t_step, device)
         scores = draw.scored.pop(k, None)
         row.update(lr=lr_at(cfg, k), **reward_metrics(scores, rewards.names))
         if cfg.log_completions:
             writer.completions(logged_rows(cfg, tokenizer, k, res, scores, rewards.names))
         if cfg.eval_every and (k + 1) % cfg.eval_every == 0 and k + 1 < cfg.steps:
-            row.update(evaluate(k))
+            try:
+                row.update(evaluate(k))
+            except RewardError:  # a reward failed on the held-out set after step k's update: resume after step k
+                writer.metrics(row)
+                checkpoint(k + 1)
+                raise
         writer.metrics(row)
         show(bar, row)
         if res.stats.get("nonfinite_updates"):
@@ -497,14 +514,15 @@ def run(cfg: Config, writer: RunWriter, train_set: list, heldout: list, rewards:
         stop_if_diverged(nonfinite, k)
         # No checkpoint of a non-finite step, nor of weights that are not finite: the newest one stays a good one.
         if cfg.save_every and (k + 1) % cfg.save_every == 0 and k not in nonfinite:
-            check_finite_weights(models.policy, f"step {k}")
-            state = run_state(models, gen, stream, cycle, k + 1, start, time.time() - t0, draw.scored)
-            with signals_wait():
-                save_checkpoint(cfg.out, state, k + 1, cfg.keep_checkpoints)
+            checkpoint(k + 1)
 
     # ---- the end: held-out accuracy, summary.json, final/ and curves.png ----
     check_finite_weights(models.policy, "the end of the run")
-    end = evaluate(cfg.steps - 1)
+    try:
+        end = evaluate(cfg.steps - 1)
+    except RewardError:  # a reward failed on the held-out set: every step is done, --resume redoes the end
+        checkpoint(cfg.steps)
+        raise
     summary = {f"{key}_{when}": m.get(key) for key in end for when, m in (("start", start), ("end", end))}
     summary.update(steps=cfg.steps, wall_s=time.time() - t0, eval_size=len(heldout), out=str(writer.out))
     writer.log(eval_line(cfg, end, len(heldout), start=start))
