@@ -4,9 +4,9 @@ GRPO samples G completions per prompt and scores each one against its own group:
 group's mean reward is the baseline, the group's standard deviation the scale ([A] eq. 1,
 after Shao et al. 2024):
 
-    mu_g     = mean_i r_i                       over the G completions of prompt g
-    sigma_g^2 = mean_i (r_i - mu_g)^2           (population variance, not the unbiased one)
-    A_i      = (r_i - mu_g) / sqrt(sigma_g^2 + eps)
+    mean_g    = mean_i r_i                      over the G completions of prompt g (r_i: rewards)
+    sigma_g^2 = mean_i (r_i - mean_g)^2         (population variance, not the unbiased one)
+    A_i       = (r_i - mean_g) / sqrt(sigma_g^2 + eps)   (eps = 1e-6, a guard, not the clip's epsilon)
 
 Groups whose rewards are all equal carry no learning signal (every A_i is 0). With
 `mask_zero_std` they are marked invalid so that the caller drops their tokens from the loss
@@ -62,20 +62,20 @@ def group_advantages(
             f"rewards must be (N,) with N divisible by group_size={group_size}, got {tuple(rewards.shape)}"
         )
     r = rewards.float().view(-1, group_size)  # (B, G)
-    k = torch.ones_like(r, dtype=torch.bool) if keep is None else keep.view(-1, group_size)  # (B, G)
-    kf = k.float()  # (B, G)
-    n_kept = kf.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
-    mu = (r * kf).sum(dim=1, keepdim=True) / n_kept  # (B, 1) mean over kept samples
-    var = ((r - mu) ** 2 * kf).sum(dim=1, keepdim=True) / n_kept  # (B, 1) population variance
-    baseline = mu - baseline_shift  # (B, 1)
+    kept = torch.ones_like(r, dtype=torch.bool) if keep is None else keep.view(-1, group_size)  # (B, G)
+    kept_f = kept.float()  # (B, G)
+    n_kept = kept_f.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
+    mean = (r * kept_f).sum(dim=1, keepdim=True) / n_kept  # (B, 1) mean_g over kept samples
+    var = ((r - mean) ** 2 * kept_f).sum(dim=1, keepdim=True) / n_kept  # (B, 1) sigma_g^2, population variance
+    baseline = mean - baseline_shift  # (B, 1)
     adv = r - baseline  # (B, G)
     if scale_std:
         adv = adv / torch.sqrt(var + eps)  # (B, G)
     # A group is degenerate when all its kept rewards are equal: max == min over kept samples.
-    r_max = torch.where(k, r, torch.full_like(r, -float("inf"))).amax(dim=1, keepdim=True)  # (B, 1)
-    r_min = torch.where(k, r, torch.full_like(r, float("inf"))).amin(dim=1, keepdim=True)  # (B, 1)
+    r_max = torch.where(kept, r, torch.full_like(r, -float("inf"))).amax(dim=1, keepdim=True)  # (B, 1)
+    r_min = torch.where(kept, r, torch.full_like(r, float("inf"))).amin(dim=1, keepdim=True)  # (B, 1)
     zero_std = r_max <= r_min  # (B, 1)
-    valid = k.clone()  # (B, G)
+    valid = kept.clone()  # (B, G)
     if mask_zero_std:
         valid = valid & ~zero_std  # (B, G)
     adv = torch.where(valid, adv, torch.zeros_like(adv))  # (B, G)
@@ -99,11 +99,11 @@ def red_drop(rewards: torch.Tensor, group_size: int, generator: torch.Generator 
         (N,) bool keep-mask.
     """
     r = rewards.float().view(-1, group_size)  # (B, G)
-    mu = r.mean(dim=1, keepdim=True)  # (B, 1)
+    mean = r.mean(dim=1, keepdim=True)  # (B, 1)
     keep = torch.ones_like(r, dtype=torch.bool)  # (B, G)
     for g in range(r.shape[0]):
-        pos = (r[g] > mu[g]).nonzero().flatten()
-        neg = (r[g] < mu[g]).nonzero().flatten()
+        pos = (r[g] > mean[g]).nonzero().flatten()
+        neg = (r[g] < mean[g]).nonzero().flatten()
         surplus = len(neg) - len(pos)
         if surplus > 0 and len(pos) > 0:
             order = torch.randperm(len(neg), generator=generator, device=rewards.device)

@@ -3,7 +3,7 @@
 `generate` samples with a KV cache, token by token, from softmax(logits / temperature), cut to the kept set of
 --top-k / --top-p / --min-p and renormalised (logprobs.sampling_logits), with an explicit torch.Generator so that
 runs are reproducible (`sample` is the loop, `next_token` its step). `generate_batches` samples the v batches of a
-refresh cycle in as few calls as a row cap allows (step.sample_cycle); a `Cycle` holds them until their steps.
+refresh cycle in as few calls as a row cap allows (train.sample_cycle); a `Cycle` holds them until their steps.
 
 Layout of a batch (the convention every other file uses):
     prompt_ids      (N, P)    left-padded, so every prompt ends at column P-1
@@ -19,7 +19,7 @@ Deviations from common practice:
      tokens' log-probs and entropies, and treats EOS uniformly.
   2. A group's G rows share their prompt: it runs once per group, and its KV cache is fanned out to the G rows.
   3. `generate` runs the loop it is given: `sample`, the reference, by default; the loop passes decoding.py's
-     static-KV-cache sampler on CUDA (--sampling, step.sampler), tested equal (tests/test_fastpath.py). Both take
+     static-KV-cache sampler on CUDA (--sampling, train.sampler), tested equal (tests/test_fastpath.py). Both take
      their tokens from `next_token`, so the math after the logits is written once; the static loop passes its own
      draw (the exponential race) and checks less often, each check being a host sync. This file
      imports only torch, transformers' DynamicCache and logprobs.py: the reference sampler copies with them.
@@ -61,13 +61,13 @@ class Rollout:
 
 @dataclass
 class Sampled:
-    """One step's batch, drawn from alpha at its cycle's refresh (step.sample_cycle)."""
+    """One step's batch, drawn from alpha at its cycle's refresh (train.sample_cycle)."""
 
     rollout: Rollout
     rewards: torch.Tensor  # (N,)
     # (N, T) log alpha: a forward of alpha at the refresh (--alpha-logp-from recompute) or the sampler's own. None
     # for the refresh step's own batch under recompute: alpha is pi_k there, whose log-probs the update's first
-    # forward gives (step.update).
+    # forward gives (train.update).
     alpha_logp: torch.Tensor | None
 
 
@@ -109,7 +109,7 @@ def generate(
     group_size: int,
     max_new_tokens: int,
     temperature: float,
-    eos_token_id: int,
+    eos_token_id: int | list[int],
     pad_token_id: int,
     truncation: Truncation | None = None,
     generator: torch.Generator | None = None,
@@ -121,6 +121,7 @@ def generate(
     Args:
         prompt_ids, prompt_mask: (B, P) left-padded prompts.
         temperature: > 0 samples from softmax(logits / temperature); 0 decodes greedily.
+        eos_token_id: the id, or the ids, that end a completion (`end_ids`: a model may end on several).
         truncation: top-k / top-p / min-p (logprobs.Truncation); the log-probs are renormalised over the kept set.
         generator: the torch.Generator used for sampling (on the model's device).
         ignore_eos: keep sampling past EOS (benchmarks, so every row has the same length).
@@ -135,7 +136,7 @@ def generate(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         truncation=truncation,
-        eos_token_id=eos_token_id,
+        eos_token_id=torch.as_tensor(eos_token_id, device=prompt_ids.device),  # (1,) or (E,): made once, not a token
         pad_token_id=pad_token_id,
         generator=generator,
         ignore_eos=ignore_eos,
@@ -188,7 +189,7 @@ def next_token(
     *,
     temperature: float,
     truncation: Truncation | None,
-    eos_token_id: int,
+    eos_token_id: int | torch.Tensor,
     pad_token_id: int,
     generator: torch.Generator | None,
     ignore_eos: bool,
@@ -200,9 +201,10 @@ def next_token(
     argmax of the logits at temperature 0). `alive` and `lengths` (N,) are the rows' state before the step.
 
     Returns (token, logp, entropy, alive, lengths), each (N,): y_t (pad once a row has ended), log alpha(y_t) and
-    the entropy of alpha (0 once a row has ended), then the state after the step: EOS is kept, and ends its row
-    unless ignore_eos. check_finite=False leaves the check for non-finite logits to the caller (whose draw must
-    then take them without failing: decoding.sample_static checks its log-probs once, after the loop)."""
+    the entropy of alpha (0 once a row has ended), then the state after the step: EOS (any of `eos_token_id`'s
+    ids) is kept, and ends its row unless ignore_eos. check_finite=False leaves the check for non-finite logits
+    to the caller (whose draw must then take them without failing: decoding.sample_static checks its log-probs
+    once, after the loop)."""
     logits = logits.float()  # (N, V)
     # A diverged policy (train.py counts it as a non-finite step), before multinomial fails on it.
     if check_finite and not torch.isfinite(logits).all():
@@ -218,8 +220,17 @@ def next_token(
     entropy = torch.where(alive, entropy, torch.zeros_like(entropy))  # (N,)
     lengths = lengths + alive.long()  # (N,)
     if not ignore_eos:
-        alive = alive & (nxt != eos_token_id)  # EOS itself was kept above
+        alive = alive & ~torch.isin(nxt, eos_token_id)  # EOS itself was kept above
     return nxt, logp, entropy, alive, lengths
+
+
+def end_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a completion: the tokenizer's EOS and each of the model's generation config, which may list
+    several (Qwen2.5's chat models end on <|im_end|> and <|endoftext|>, Llama 3's on three)."""
+    config = getattr(model, "generation_config", None)
+    listed = getattr(config, "eos_token_id", None)
+    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+    return list(dict.fromkeys([tokenizer.eos_token_id, *listed]))
 
 
 def to_rollout(prompt_ids, prompt_mask, *, tokens, logps, entropies, lengths, alive) -> Rollout:

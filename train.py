@@ -33,8 +33,8 @@ Deviations from [A]:
   1. log pi_k gets no forward of its own: until the step's first optimizer step pi_theta *is* pi_k, so the first
      inner step records logp.detach() of its own forward. At a refresh with --alpha-logp-from recompute alpha is
      pi_k too, and log alpha is that same forward. (MIS on a stale step needs all of pi_k before the first
-     micro-batch, so there pi_k gets a no-grad pass; the sampler_mismatch figure of a step without signal, which
-     runs no update, costs one more.)
+     micro-batch, so there pi_k gets a no-grad pass; a refresh step without signal runs no update, and its
+     sampler_mismatch figure costs one forward.)
   2. A step whose cycle is missing (its refresh's sampling failed, a checkpoint without one) samples the rest of
      its cycle, steps k, ..., up to the next multiple of v, from pi_theta then.
   3. A group whose rewards are all equal leaves the loss whole, its KL term included: the KL is averaged over the
@@ -79,8 +79,8 @@ from objective import aggregation_total, policy_loss
 from problems.prompts import Draw, PromptStream, fit_to_context, load_problems, run_rewards, warn_of_overlap
 from problems.tasks import TaskError, prompt_record
 from problems.user_rewards import RewardError, Rewards
-from rollout import Cycle, Rollout, Sampled, generate_batches, sample
-from variants.corrections import correction_args, mis_keep_mask, sampler_mismatch_stats
+from rollout import Cycle, Rollout, Sampled, end_ids, generate_batches, sample
+from variants.corrections import correction_args, mis_keep_mask, staleness_stats
 from variants.reinforce import opmd_loss, rec_loss
 
 # ---- one step of Algorithm 1 -----------------------------------------------------------------------------------
@@ -135,9 +135,6 @@ def grpo_step(
     Raises FloatingPointError when the sampler's logits are not finite (a diverged policy).
     """
     timer = Timer(next(models.policy.parameters()).device)
-    with timer("refresh"):  # --ref-refresh R: pi_ref <- pi_theta every R steps
-        if models.ref is not None and cfg.ref_refresh and k > 0 and k % cfg.ref_refresh == 0:
-            models.ref.load_state_dict(models.policy.state_dict())
 
     # 1-3. refresh: alpha <- pi_theta samples and scores the batches of steps k, ..., up to the next refresh, now.
     # The cycle holds no batch for step k when k mod v = 0, or when it was lost (deviation 2).
@@ -160,9 +157,10 @@ def grpo_step(
             alpha_logp=sampled.alpha_logp,
         )
 
-    # 5. log pi_ref, a constant: the KL term's reference
+    # 5. log-probs: log alpha came with the batch (sample_cycle), log pi_k is the update's first forward (update);
+    # here log pi_ref, a constant, the KL term's reference
     with timer("logprob"):
-        ref_logp = ref_logprobs(cfg, models, ro)  # (N, T), None without a KL term
+        ref_logp = ref_logprobs(cfg, models, ro, k)  # (N, T), None without a KL term
 
     # 6. mu optimizer steps on the loss
     with timer("update"):
@@ -193,7 +191,7 @@ def sample_cycle(cfg: Config, policy, tokenizer, start: int, draws: list, gen, t
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
             truncation=cfg.truncation,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=end_ids(policy, tokenizer),
             pad_token_id=tokenizer.pad_token_id,
             generator=gen,
             ignore_eos=ignore_eos,
@@ -217,7 +215,8 @@ def sample_cycle(cfg: Config, policy, tokenizer, start: int, draws: list, gen, t
 def update(cfg: Config, policy, opt, batch: Batch, ref_logp) -> tuple[dict, torch.Tensor]:
     """Step 6: mu = --inner-steps optimizer steps on the batch's loss (`loss_of`), each one's gradient accumulated
     over micro-batches of --micro-batch rows. Returns the statistics, averaged over tokens and inner steps, and log
-    pi_k (N, T): the first inner step's log-probs, taken before any optimizer step moved the policy.
+    pi_k (N, T): the first inner step's log-probs, taken before any optimizer step moved the policy (with MIS on a
+    stale step, `mis_prepass`'s).
 
     Each micro-batch's loss is divided by the whole step's normaliser (`total`), so their summed gradients equal the
     whole batch's. Dropout is off in every pass (engine.policy.fit_policy), so that pi_theta, pi_k and alpha are one
@@ -236,15 +235,18 @@ def update(cfg: Config, policy, opt, batch: Batch, ref_logp) -> tuple[dict, torc
         first = []  # log pi_k of each micro-batch, recorded by the first inner step
         for rows in micro_batches:
             if i > 0 and loss_mask[rows].sum() == 0:
-                continue  # no token in the loss here: zero loss and zero gradient
+                continue  # no token in the loss here: zero gradient (the first inner step runs it all for log pi_k)
             logp = logprobs(cfg, policy, batch, rows)  # (mb, T) log pi_theta, with grad
-            pi_k = logp.detach() if pi_k_logp is None else pi_k_logp[rows]  # pi_theta is pi_k until its first step
-            alpha = pi_k if batch.alpha_logp is None else batch.alpha_logp[rows]  # None: alpha = pi_k (a refresh)
-            ref = None if ref_logp is None else ref_logp[rows]
-            loss, st = loss_of(cfg, logp, alpha, pi_k, ref, batch.advantages[rows], loss_mask[rows], total)
+            # The micro-batch's rows of log pi_k, log alpha and log pi_ref, each (mb, T):
+            pi_k_logp_mb = logp.detach() if pi_k_logp is None else pi_k_logp[rows]  # pi_theta is pi_k until a step
+            alpha_logp_mb = pi_k_logp_mb if batch.alpha_logp is None else batch.alpha_logp[rows]  # None: a refresh
+            ref_logp_mb = None if ref_logp is None else ref_logp[rows]
+            loss, st = loss_of(
+                cfg, logp, alpha_logp_mb, pi_k_logp_mb, ref_logp_mb, batch.advantages[rows], loss_mask[rows], total
+            )
             loss.backward()
             stats.add(loss, st)
-            first.append(pi_k)
+            first.append(pi_k_logp_mb)
         if pi_k_logp is None:
             pi_k_logp = torch.cat(first)  # (N, T)
         norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
@@ -254,7 +256,7 @@ def update(cfg: Config, policy, opt, batch: Batch, ref_logp) -> tuple[dict, torc
     # rho' = pi_k / alpha does not depend on pi_theta: its quantiles, max and the TIS / MIS fractions are the whole
     # step's, exact whatever the micro-batching.
     alpha_logp = pi_k_logp if batch.alpha_logp is None else batch.alpha_logp
-    mismatch = sampler_mismatch_stats(
+    mismatch = staleness_stats(
         alpha_logp, pi_k_logp, loss_mask, is_cap=cfg.is_cap, is_mask=cfg.is_mask, is_level=cfg.is_level
     )
     return stats.result(mismatch), pi_k_logp
@@ -275,8 +277,11 @@ def sampler(cfg: Config) -> Callable[..., dict]:
     return sample if cfg.sampling == "plain" else static_sampler(cfg.fast)
 
 
-def ref_logprobs(cfg: Config, models: Models, ro: Rollout) -> torch.Tensor | None:
-    """log pi_ref (N, T) without grad, None without a KL term; under LoRA pi_ref is the policy, adapter off."""
+def ref_logprobs(cfg: Config, models: Models, ro: Rollout, k: int) -> torch.Tensor | None:
+    """log pi_ref (N, T) at step k without grad, None without a KL term; under LoRA pi_ref is the policy, adapter
+    off. --ref-refresh R: pi_ref <- pi_theta first, every R steps."""
+    if models.ref is not None and cfg.ref_refresh and k > 0 and k % cfg.ref_refresh == 0:
+        models.ref.load_state_dict(models.policy.state_dict())
     if cfg.beta == 0:
         return None
     ref = models.ref if models.ref is not None else models.policy

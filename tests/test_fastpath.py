@@ -119,12 +119,13 @@ def ending_model(tok):
     return hand.eval()
 
 
-def chain_length(prompt: str, limit: int) -> tuple[int, bool]:
-    """Completion length (EOS included) that CHAIN gives after `prompt`, capped at `limit`; and truncated?"""
+def chain_length(prompt: str, limit: int, ends=("<eos>",)) -> tuple[int, bool]:
+    """Completion length (the end token included) that CHAIN gives after `prompt`, capped at `limit`; and
+    truncated? `ends`: the tokens that end a row."""
     token = prompt[-1]
     for t in range(1, limit + 1):
         token = CHAIN[token]
-        if token == "<eos>":
+        if token in ends:
             return t, False
     return limit, True
 
@@ -416,3 +417,28 @@ def test_cuda_graph_under_bf16_autocast(tok):
     assert sampling_path(model) == "static-cache+cuda-graph"
     assert torch.isfinite(ro.sampler_logp).all()
     assert (ro.sampler_logp - lp).abs().max() < 0.1  # bf16 rounding only
+
+
+def test_every_end_id_of_the_generation_config_ends_a_row_on_both_paths(ending_model, tok):
+    # A model whose generation config lists two end ids (as Qwen2.5's and Llama 3's do): "3" ends a row as EOS
+    # does, so prompts ending in "2" (2 -> 3) now end after 2 tokens with "3" kept; the others as before.
+    import copy
+
+    from rollout import end_ids
+
+    model = copy.deepcopy(ending_model)
+    three = tok.convert_tokens_to_ids("3")
+    model.generation_config.eos_token_id = [tok.eos_token_id, three]
+    assert end_ids(model, tok) == [tok.eos_token_id, three]
+    assert end_ids(ending_model, tok) == [tok.eos_token_id]  # the tiny config names the tokenizer's EOS alone
+    ids, mask = encode_prompts(tok, [Problem(q, "0") for q in ENDING_PROMPTS], "cpu")
+    kw = dict(pad_token_id=tok.pad_token_id, group_size=1, max_new_tokens=8, temperature=0.0)
+    expected = [chain_length(q, 8, ends=("<eos>", "3")) for q in ENDING_PROMPTS]
+    assert expected != [chain_length(q, 8) for q in ENDING_PROMPTS]  # the second end id changes some rows
+    for sampler in (None, static_sampler(True)):
+        ro = generate(model, ids, mask, eos_token_id=end_ids(model, tok), sampler=sampler, **kw)
+        assert ro.completion_mask.sum(1).tolist() == [n for n, _ in expected]
+        assert ro.truncated.tolist() == [trunc for _, trunc in expected]
+        for row, (n, trunc) in zip(ro.completion_ids.tolist(), expected):
+            assert trunc or row[n - 1] in (tok.eos_token_id, three)
+            assert row[n:] == [tok.pad_token_id] * (len(row) - n)

@@ -113,12 +113,12 @@ def test_update_gives_every_micro_batch_the_final_normaliser_and_computes_the_mi
     alpha_logp = logp + 0.8 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(0))
     cfg = resolve(Config(group_size=4, prompts_per_step=4, out="/tmp/unused", micro_batch=4, is_mask=1.5))
     calls, stats_calls = [], []
-    real_loss, real_stats = train.policy_loss, train.sampler_mismatch_stats
+    real_loss, real_stats = train.policy_loss, train.staleness_stats
     signature = inspect.signature(real_loss)
     record = lambda *a, **kw: calls.append(signature.bind(*a, **kw).arguments) or real_loss(*a, **kw)
     monkeypatch.setattr(train, "policy_loss", record)
-    monkeypatch.setattr(corrections, "sampler_mismatch_stats", lambda *a, **kw: pytest.fail("the loss computes it"))
-    monkeypatch.setattr(train, "sampler_mismatch_stats", lambda *a, **kw: stats_calls.append(1) or real_stats(*a, **kw))
+    monkeypatch.setattr(corrections, "staleness_stats", lambda *a, **kw: pytest.fail("the loss computes it"))
+    monkeypatch.setattr(train, "staleness_stats", lambda *a, **kw: stats_calls.append(1) or real_stats(*a, **kw))
     stale = dataclasses.replace(batch, alpha_logp=alpha_logp)
     train.update(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0), stale, None)
     keep = mis_keep_mask(alpha_logp, logp, 1.5)

@@ -30,7 +30,7 @@ from test_staleness import corrected_loss
 
 from conftest import needs
 from objective import aggregation_total, surrogate
-from variants.corrections import correction_args, mis_keep_mask, sampler_mismatch_stats
+from variants.corrections import correction_args, mis_keep_mask, staleness_stats
 
 EPS_LO, EPS_HI, MAX_NEW = 0.2, 0.28, 7
 
@@ -157,7 +157,7 @@ def test_keep_mask_statistics_and_micro_batches_follow_the_sequence(level):
     n = mask.sum().item()
     masked = sum(mask[i].sum().item() for i in valid if not 1 / mis <= ratios[i] <= mis)
     capped = sum(mask[i].sum().item() for i in valid if 1 / mis <= ratios[i] <= mis and ratios[i] > cap)
-    st = sampler_mismatch_stats(alpha_logp, pi_k_logp, mask, is_cap=cap, is_mask=mis, is_level=level)
+    st = staleness_stats(alpha_logp, pi_k_logp, mask, is_cap=cap, is_mask=mis, is_level=level)
     assert masked > 0 and capped > 0
     assert (st["is_masked_frac"], st["is_capped_frac"]) == pytest.approx((masked / n, capped / n), abs=1e-12)
     # Row micro-batches with the whole step's normaliser add up to the whole step (a sequence's ratio is its own).
@@ -209,7 +209,7 @@ def test_an_overflowing_sequence_ratio_is_masked_or_capped_never_nan():
             kept_tokens = t if mis is not None else 2 * t
             assert x.grad[0].tolist() == pytest.approx([0.0 if mis is not None else -3.0 / kept_tokens] * t)
             assert x.grad[1].tolist() == pytest.approx([1.0 / kept_tokens] * t)
-        st = sampler_mismatch_stats(alpha_logp, pi_k_logp, mask, is_cap=3.0, is_mask=3.0, is_level=level)
+        st = staleness_stats(alpha_logp, pi_k_logp, mask, is_cap=3.0, is_mask=3.0, is_level=level)
         assert st["is_masked_frac"] == 0.5 and st["is_capped_frac"] == 0.0
 
 
@@ -229,7 +229,7 @@ def test_bad_levels_are_one_line_errors():
     with pytest.raises(ValueError, match="needs loss_mask"):
         mis_keep_mask(alpha_logp, pi_k_logp, 2.0, is_level="geometric")
     with pytest.raises(ValueError, match="is_level must be one of"):
-        sampler_mismatch_stats(alpha_logp, pi_k_logp, mask, is_mask=2.0, is_level="tokens")
+        staleness_stats(alpha_logp, pi_k_logp, mask, is_mask=2.0, is_level="tokens")
 
 
 # --------------------------------------------------------------------------- stock TRL 1.16

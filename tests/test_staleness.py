@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from objective import aggregation_total, kl_penalty, policy_loss
-from variants.corrections import correction_args, mis_keep_mask, sampler_mismatch_stats
+from variants.corrections import correction_args, mis_keep_mask, staleness_stats
 from variants.reinforce import rec_loss
 
 EPS_LO, EPS_HI, MAX_NEW = 0.2, 0.28, 7
@@ -136,7 +136,7 @@ def test_policy_loss_matches_loop_value_and_gradient(center, seed_c, agg, seed_a
             assert x.grad[i, j].item() == pytest.approx(fd, abs=1e-6), (i, j)
     n_valid = mask.sum().item()
     assert stats["tokens"] == n_valid
-    mismatch = sampler_mismatch_stats(alpha_logp, pi_k_logp, mask, is_cap=is_cap, is_mask=is_mask)
+    mismatch = staleness_stats(alpha_logp, pi_k_logp, mask, is_cap=is_cap, is_mask=is_mask)
     assert mismatch["is_masked_frac"] == pytest.approx(dropped / n_valid)
     assert mismatch["is_capped_frac"] == pytest.approx(capped / n_valid)
     # The case exercises what it claims to: MIS drops, TIS caps, the clip acts somewhere.
@@ -169,10 +169,10 @@ def test_mis_drops_tokens_from_the_sum_and_the_normaliser():
         assert (
             corrected_loss(alpha_logp, alpha_logp, pi_k_logp, None, adv, mask, agg="constant", **kw)[0].item() == -2 / 8
         )
-    stats = sampler_mismatch_stats(alpha_logp, pi_k_logp, mask, is_mask=2.0)
+    stats = staleness_stats(alpha_logp, pi_k_logp, mask, is_mask=2.0)
     assert stats["is_masked_frac"] == 4 / 6 and stats["is_capped_frac"] == 0.0
     # Without is_mask every token counts.
-    assert sampler_mismatch_stats(alpha_logp, pi_k_logp, mask)["is_masked_frac"] == 0.0
+    assert staleness_stats(alpha_logp, pi_k_logp, mask)["is_masked_frac"] == 0.0
 
 
 def test_tis_caps_the_weight_of_the_decoupled_objective():
@@ -188,11 +188,11 @@ def test_tis_caps_the_weight_of_the_decoupled_objective():
         loss.backward()
         torch.testing.assert_close(x.grad, -2.0 * torch.tensor([w], dtype=torch.float64) / 4)
         assert loss.item() == pytest.approx(-2.0 * sum(w) / 4)
-        assert sampler_mismatch_stats(alpha_logp, pi_k_logp, mask, is_cap=cap)["is_capped_frac"] == (
+        assert staleness_stats(alpha_logp, pi_k_logp, mask, is_cap=cap)["is_capped_frac"] == (
             0.0 if cap is None else 0.5
         )
     # With MIS as well, a dropped token counts as dropped, not capped: rho' = 8 leaves, rho' = 3 is capped.
-    stats = sampler_mismatch_stats(alpha_logp, pi_k_logp, mask, is_cap=2.0, is_mask=4.0)
+    stats = staleness_stats(alpha_logp, pi_k_logp, mask, is_cap=2.0, is_mask=4.0)
     assert stats["is_capped_frac"] == 0.25 and stats["is_masked_frac"] == 0.25
 
 
@@ -375,14 +375,14 @@ def test_micro_batches_with_mis_add_up_to_the_whole_step(agg, center, is_cap):
             assert parts != pytest.approx(whole.item(), rel=1e-6)
 
 
-def test_sampler_mismatch_stats_hand_computed():
+def test_staleness_stats_hand_computed():
     # rho' = 1, 2.5, 0.5, 4 on the valid tokens (a fifth, masked, token has rho' = 100).
     rho_p = torch.tensor([[1.0, 2.5, 0.5, 4.0, 100.0]], dtype=torch.float64)
     alpha_logp = torch.full((1, 5), -2.0, dtype=torch.float64)
     pi_k_logp = alpha_logp + torch.log(rho_p)
     mask = torch.tensor([[1, 1, 1, 1, 0]])
     vals = [1.0, 2.5, 0.5, 4.0]
-    st = sampler_mismatch_stats(alpha_logp, pi_k_logp, mask, is_cap=2.0, is_mask=3.0)
+    st = staleness_stats(alpha_logp, pi_k_logp, mask, is_cap=2.0, is_mask=3.0)
     assert st["mismatch_kl_k1"] == pytest.approx(sum(-math.log(v) for v in vals) / 4)
     assert st["mismatch_kl_k3"] == pytest.approx(sum(v - 1 - math.log(v) for v in vals) / 4)
     assert st["rho_prime_mean"] == pytest.approx(2.0) and st["rho_prime_max"] == pytest.approx(4.0)
@@ -396,9 +396,9 @@ def test_sampler_mismatch_stats_hand_computed():
     )
     assert set(ps) == {"clip_low", "clip_high", "kl", "rho_mean", "tokens"}
     # Without a cap or a mask the fractions are 0; a refreshed sampler (pi_k = alpha) shows no mismatch.
-    st = sampler_mismatch_stats(alpha_logp, pi_k_logp, mask)
+    st = staleness_stats(alpha_logp, pi_k_logp, mask)
     assert st["is_masked_frac"] == 0.0 and st["is_capped_frac"] == 0.0
-    st = sampler_mismatch_stats(alpha_logp, alpha_logp, mask, is_mask=3.0)
+    st = staleness_stats(alpha_logp, alpha_logp, mask, is_mask=3.0)
     assert st["mismatch_kl_k1"] == 0.0 and st["mismatch_kl_k3"] == 0.0 and st["rho_prime_p99"] == 1.0
     assert st["is_masked_frac"] == 0.0
 

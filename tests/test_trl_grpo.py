@@ -106,7 +106,7 @@ def test_offpolicy_loss_is_the_loops_loss(policy_dir, tmp_path, weighted_kl):
         cfg = Config(beta=1.0, clip_center="pi_k", kl_importance_weight=kl_importance_weight)
         return train.loss_of(cfg, logp, old, logp.detach(), ref, adv, mask, total)[0].item()
 
-    rho_prime_max = corrections.sampler_mismatch_stats(old, logp.detach(), mask)["rho_prime_max"]
+    rho_prime_max = corrections.staleness_stats(old, logp.detach(), mask)["rho_prime_max"]
     assert rho_prime_max > 1.5  # the two centres give different losses on these tensors
     assert abs(loss.item() - loops_loss(weighted_kl)) < 1e-5
     assert abs(loss.item() - loops_loss(not weighted_kl)) > 1e-3  # the weight changes the KL term

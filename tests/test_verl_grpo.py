@@ -154,7 +154,7 @@ def test_offpolicy_grpo_equals_objective_policy_loss(mode, seed):
     # The batch exercises both sides of the clip, so a wrong centre or width changes the result.
     assert stats["clip_low"] > 0 and stats["clip_high"] > 0
     assert metrics["actor/pg_clipfrac"] == pytest.approx(stats["clip_low"] + stats["clip_high"])
-    mismatch = corrections.sampler_mismatch_stats(sampler_alpha_logp(old, weights), old, mask)
+    mismatch = corrections.staleness_stats(sampler_alpha_logp(old, weights), old, mask)
     assert metrics["actor/rho_prime_mean"] == pytest.approx(mismatch["rho_prime_mean"])
     assert metrics["actor/rho_prime_max"] == pytest.approx(mismatch["rho_prime_max"])
 

@@ -120,7 +120,7 @@ def correction_args(
     return {"weight": weight, "keep": keep}
 
 
-def sampler_mismatch_stats(
+def staleness_stats(
     alpha_logp: torch.Tensor,
     pi_k_logp: torch.Tensor,
     loss_mask: torch.Tensor,
