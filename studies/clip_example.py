@@ -121,8 +121,8 @@ def main(argv: list[str]) -> int:
         print("the clip acted on no token of this run (one inner step, or a policy that barely moved)")
     n, ours, ppo, ppo_only = counts.tolist()
     print(
-        f"over the run's {n:.0f} loss tokens (every inner step): [A]'s interval clipped {ours / n:.4f} of them; "
-        f"PPO's around 1 would have clipped {ppo / n:.4f}, {ppo_only / n:.4f} of them tokens [A]'s keeps"
+        f"over the run's {n:.0f} loss tokens (every inner step): [A]'s interval clipped {ours / n:.4f} of them;\n"
+        f"PPO's interval around 1 would have clipped {ppo / n:.4f}, {ppo_only / n:.4f} being tokens [A]'s keeps"
     )
     if out is not None:
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
