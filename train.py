@@ -271,6 +271,20 @@ def logprobs(cfg: Config, model, seq, rows=slice(None)) -> torch.Tensor:
         return chunked_token_logprobs(model, ids, mask, completion_mask, cfg.temperature, cfg.truncation)
 
 
+@contextlib.contextmanager
+def evaluating(model):
+    """A no-grad pass in eval mode, the model's mode restored after. The update leaves the policy in train mode
+    (gradient checkpointing acts there only), where some transformers versions drop the KV cache that the chunked
+    log-prob's shared-prompt pass uses: pi_ref's and MIS's forwards must not depend on what the update left."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
 def sampler(cfg: Config) -> Callable[..., dict]:
     """The one choice of sampling loop (--sampling): rollout.sample, the reference, or engine/decoding.py's static
     KV cache (a CUDA graph on a GPU) where it applies, tested equal (tests/test_fastpath.py)."""
@@ -286,7 +300,7 @@ def ref_logprobs(cfg: Config, models: Models, ro: Rollout, k: int) -> torch.Tens
         return None
     ref = models.ref if models.ref is not None else models.policy
     adapter_off = models.policy.disable_adapter() if models.ref is None else contextlib.nullcontext()
-    with torch.no_grad(), adapter_off:
+    with evaluating(ref), adapter_off:
         return logprobs(cfg, ref, ro)
 
 
@@ -297,7 +311,7 @@ def sampler_mismatch(cfg: Config, policy, batch: Batch, ro: Rollout, refresh: bo
     value means sampling and training see different models (the KV cache, the fast path, autocast)."""
     if refresh:
         if pi_k_logp is None:
-            with torch.no_grad():
+            with evaluating(policy):
                 pi_k_logp = logprobs(cfg, policy, batch)  # (N, T)
         forward = pi_k_logp
     elif cfg.alpha_logp_from == "recompute":
@@ -392,7 +406,7 @@ def mis_prepass(cfg: Config, policy, batch: Batch, micro_batches: list[slice]) -
     """MIS (--is-mask) on a stale step: log pi_k (N, T) from a no-grad pass over the whole batch, and the loss's
     normaliser over the tokens MIS keeps. It drops tokens by rho' = pi_k / alpha, and the dropped ones leave the
     normaliser, so every micro-batch needs pi_k of the whole step before the first one."""
-    with torch.no_grad():
+    with evaluating(policy):
         pi_k_logp = torch.cat([logprobs(cfg, policy, batch, rows) for rows in micro_batches])  # (N, T)
     keep = mis_keep_mask(batch.alpha_logp, pi_k_logp, cfg.is_mask, loss_mask=batch.loss_mask, is_level=cfg.is_level)
     return pi_k_logp, aggregation_total(batch.loss_mask * keep, cfg.agg, cfg.max_new_tokens)
