@@ -15,9 +15,10 @@ transformers' own static cache: the path passes its own 4-D boolean sdpa mask (T
 uses as given, so it applies only to models with sdpa attention and full-attention layers; anything else samples
 on the plain path.
 
-Under autocast the decoder keeps its own copies of the Linear layers' weights in the autocast dtype, refreshed
-once per `generate` call: a captured graph cannot use autocast's weight-cast cache (it would freeze the casts of
-the weights as they were at capture), so without them every replayed token would cast every weight again.
+Under autocast the decoders keep one copy of the Linear layers' weights in the autocast dtype, shared by every
+shape's decoder of the model and refreshed once per `generate` call: a captured graph cannot use autocast's
+weight-cast cache (it would freeze the casts of the weights as they were at capture), so without them every
+replayed token would cast every weight again.
 """
 
 import sys
@@ -95,7 +96,7 @@ class StaticDecoder:
             self.kw["cache_position"] = self.write
         amp = device.type
         self.dtype = torch.get_autocast_dtype(amp) if torch.is_autocast_enabled(amp) else None  # the cache's dtype
-        self.weights = linear_weights(model, self.dtype) if self.dtype is not None else {}
+        self.weights = shared_weights(model, self.dtype) if self.dtype is not None else {}
 
     def cast_weights(self, model) -> None:
         """The Linear weights as they are now (an optimizer step changed them in place), in the autocast dtype."""
@@ -213,6 +214,20 @@ def linear_weights(model, dtype) -> dict[str, torch.Tensor]:
     return out
 
 
+# Model -> {autocast dtype: its Linear weights cast to it}, one set shared by all the model's decoders: at 7B one
+# bfloat16 copy is ~15 GB, and each shape's decoder would otherwise hold its own.
+_WEIGHTS = weakref.WeakKeyDictionary()
+
+
+def shared_weights(model, dtype) -> dict[str, torch.Tensor]:
+    """`linear_weights(model, dtype)`, made once per model and dtype and shared by its static decoders (each
+    refreshes them at its prefill: an optimizer step changed the originals in place)."""
+    per_dtype = _WEIGHTS.setdefault(model, {})
+    if dtype not in per_dtype:
+        per_dtype[dtype] = linear_weights(model, dtype)
+    return per_dtype[dtype]
+
+
 # Model -> {shape key: StaticDecoder}, freed with the model. Evaluation's shape sits beside training's, so neither
 # evicts (and recaptures) the other; the least recently used goes beyond MAX_DECODERS.
 _DECODERS = weakref.WeakKeyDictionary()
@@ -274,6 +289,7 @@ def use_static_decoder(model, n: int, length: int, fast: bool | None = None, log
             log(f"rollout: the static-cache path failed, this model samples plainly from now on ({e!r})")
             _NO_FAST.add(model)
             _DECODERS.pop(model, None)
+            _WEIGHTS.pop(model, None)
             return False
         _TRIED.add(model)
     return True
@@ -285,6 +301,7 @@ def capture_failed(model, error: GraphCaptureError, log=warn) -> None:
     _NO_FAST.add(model)
     _NO_GRAPH.add(model)
     _DECODERS.pop(model, None)
+    _WEIGHTS.pop(model, None)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     log(f"rollout: capturing the decode step as a CUDA graph failed ({error}); sampling on the plain loop")

@@ -298,6 +298,32 @@ def test_the_static_decoder_casts_no_weight_per_token_under_autocast(tok):
 
 
 @pytest.mark.model
+def test_the_static_decoders_of_one_model_share_one_cast_of_its_weights(tok):
+    # Training's and evaluation's shapes each keep a decoder (up to decoding.MAX_DECODERS); their bf16 copies of the
+    # Linear weights are one set, not one per shape, and each refreshes it from the current weights.
+    from engine import decoding
+    from rollout import generate
+
+    model = tiny_qwen2(tok)
+    ids, mask = left_padded_prompts(tok)
+    special = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=0.0, ignore_eos=True)
+    with torch.autocast(**BF16):
+        for group_size in (1, 2, 4):  # three shapes, three decoders
+            generate(model, ids, mask, group_size=group_size, max_new_tokens=4, sampler=static_sampler(True), **special)
+    decoders = list(decoding._DECODERS[model].values())
+    assert len(decoders) == 3
+    first = decoders[0].weights
+    assert first and all(d.weights.keys() == first.keys() for d in decoders)
+    assert all(d.weights[k].data_ptr() == first[k].data_ptr() for d in decoders for k in first)  # one storage
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if n in first).add_(1.0)  # an optimizer step, in place
+    with torch.autocast(**BF16):
+        generate(model, ids, mask, group_size=1, max_new_tokens=4, sampler=static_sampler(True), **special)
+    name = next(iter(first))
+    assert torch.equal(first[name], dict(model.named_parameters())[name].detach().to(torch.bfloat16))
+
+
+@pytest.mark.model
 def test_evaluations_shape_does_not_evict_the_training_decoder(tok):
     from engine import decoding
 
