@@ -1,7 +1,8 @@
 """Held-out evaluation, and the completions a run shows (--log-completions).
 
-evaluate          the mean reward (the accuracy, with the built-in verifier) of a policy on held-out problems
-evaluation        the run's held-out metrics: greedy eval_accuracy, eval_pass1 over --eval-samples samples
+evaluate          the accuracy of a policy on held-out problems (Scores.accuracy's rule), or a function's mean
+evaluation        the run's held-out metrics: greedy eval_accuracy, eval_pass1 over --eval-samples samples, and
+                  with rewards of one's own eval_reward (the mean weighted reward) and each function's figures
 logged_rows       --log-completions N: N of a step's completions with their rewards and advantages
 """
 
@@ -15,7 +16,7 @@ from config import Config
 from engine.policy import autocast
 from problems.prompts import completion_texts, run_rewards, score_rows
 from problems.tasks import Problem, encode_prompts
-from problems.user_rewards import Rewards, RewardState, Scores
+from problems.user_rewards import BUILTIN, LOGGED, Rewards, RewardState, Scores, mean
 from reward import math_reward
 from rollout import Rollout, generate
 
@@ -39,13 +40,15 @@ def evaluate(
     scores_out: list | None = None,
     rows_out: list | None = None,
 ) -> float:
-    """Held-out accuracy: the mean over problems of the mean reward of `samples` completions each ([A]'s "pass@1
-    over k samples"). The default, one greedy completion (temperature 0), is the usual held-out accuracy.
+    """Held-out accuracy: the mean over problems of the share of `samples` completions each that are credited
+    ([A]'s "pass@1 over k samples"). The default, one greedy completion (temperature 0), is the usual held-out
+    accuracy.
 
-    `reward`: (completion, gold) -> a float, or the run's Rewards (their weighted sum; `state` is their
-    trainer_state): then `scores_out` (a list) gets the Scores of all the completions, `rows_out` a dict per
-    completion (prompt, completion, reward, rewards). `sampler`: rollout.generate's loop (None: rollout.sample).
-    Raises Diverged when the policy's logits are not finite."""
+    `reward`: (completion, gold) -> a float, whose mean this is, or the run's Rewards: then a completion is credited
+    as Scores.credited says (the built-in verifier's credit, else a weighted reward > 0; `state` is their
+    trainer_state), `scores_out` (a list) gets the Scores of all the completions (their weighted rewards among
+    them), `rows_out` a dict per completion (prompt, completion, reward, rewards). `sampler`: rollout.generate's
+    loop (None: rollout.sample). Raises Diverged when the policy's logits are not finite."""
     was_training = model.training
     model.eval()
     correct, parts = 0.0, []
@@ -64,7 +67,7 @@ def evaluate(
         if isinstance(reward, Rewards):
             rows = [p for p in chunk for _ in range(samples)]
             scores = score_rows(reward, rows, texts, r, state or RewardState(0, 0))
-            values = scores.total.tolist()
+            values = scores.credited(reward.names).float().tolist()  # 0.0 or 1.0, never above 1
             parts.append(scores)
             if rows_out is not None:
                 rows_out += completion_rows(tokenizer, r, texts, scores, reward.names, range(len(rows)))
@@ -92,22 +95,26 @@ def evaluation(
     writer=None,
     sampler=None,
 ) -> dict:
-    """The held-out metrics: eval_accuracy (greedy: the mean reward, the accuracy with the built-in verifier) and,
-    with --eval-samples k, eval_pass1 (the mean accuracy of k samples per problem). The samples draw from a
-    generator of their own, seeded afresh each time: the training sampler's stream is untouched, and every
-    evaluation of the run sees the same noise. With rewards of one's own also each function's mean
-    (eval_rewards/NAME), eval_reward_none_frac and what they logged (eval_NAME); the greedy completions go to
-    completions.jsonl with --log-completions (`at_step`: the steps done, less one). `sampler`: the run's sampling
-    loop (train.sampler), run under training's autocast."""
+    """The held-out metrics: eval_accuracy (greedy; the accuracy of metrics.jsonl: the built-in verifier's share
+    credited, else the share of weighted rewards > 0) and, with --eval-samples k, eval_pass1 (the mean accuracy of
+    k samples per problem). The samples draw from a generator of their own, seeded afresh each time: the training
+    sampler's stream is untouched, and every evaluation of the run sees the same noise. With rewards of one's own
+    (`own_rewards`) also the mean weighted reward (eval_reward), each function's mean (eval_rewards/NAME),
+    eval_reward_none_frac and what they logged (eval_logged/NAME); the greedy completions go to completions.jsonl
+    with --log-completions (`at_step`: the steps done, less one). `sampler`: the run's sampling loop
+    (train.sampler), run under training's autocast."""
     reward = rewards or run_rewards(cfg)
     scores, rows = [], [] if writer is not None and cfg.log_completions else None
     kw = dict(state=RewardState(at_step + 1, cfg.steps), scores_out=scores, rows_out=rows, sampler=sampler)
     with autocast(cfg, device):
         out = {"eval_accuracy": evaluate(model, tokenizer, heldout, cfg.max_new_tokens, device, reward, **kw)}
-        if scores and cfg.reward != ["math"]:
+        if scores and own_rewards(cfg):
+            totals = scores[0].total.tolist()
+            out["eval_reward"] = sum(totals) / max(len(totals), 1)
             out.update({f"eval_rewards/{k}": v for k, v in scores[0].means(reward.names).items()})
             out["eval_reward_none_frac"] = scores[0].none_frac()
-            out.update({f"eval_{k}": v for k, v in scores[0].metrics.items()})
+            # A prefix of their own: no name a function logs can replace a held-out figure (eval_accuracy).
+            out.update({f"eval_{LOGGED}{k}": v for k, v in scores[0].metrics.items()})
         if rows is not None:
             writer.completions([{"split": "eval", "step": at_step, **row} for row in rows])
         if cfg.eval_samples:
@@ -128,21 +135,37 @@ def evaluation(
     return out
 
 
+def own_rewards(cfg: Config) -> bool:
+    """Whether the rewards are other than the default, the built-in verifier at weight 1: then the mean weighted
+    reward is not the accuracy, and the held-out metrics report it (eval_reward) and each function's figures."""
+    return cfg.reward != ["math"] or cfg.reward_weights not in (None, [1.0])
+
+
 def measure(cfg: Config) -> str:
-    """What eval_accuracy measures: the accuracy with the built-in verifier, else the mean weighted reward."""
-    return "accuracy" if cfg.reward == ["math"] else "reward"
+    """What eval_accuracy counts (Scores.credited): the built-in verifier's credit when it is among the rewards,
+    else a weighted reward > 0."""
+    return "accuracy" if any(spec in BUILTIN for spec in cfg.reward) else "accuracy (weighted reward > 0)"
 
 
 def eval_line(cfg: Config, metrics: dict, heldout: int, start: dict | None = None) -> str:
     """The log's line for a held-out evaluation of `heldout` problems: before training, or after it (`start` given,
-    the start's metrics or {}) with the gain over the start."""
-    acc = metrics["eval_accuracy"]
+    the start's metrics or {}) with the gain over the start; with rewards of one's own also the mean weighted
+    reward (eval_reward), likewise."""
+
+    def figure(key: str) -> str:
+        value = metrics[key]
+        if start is None:
+            return f"{value:.3f}"
+        before = start.get(key)
+        gain = "start not evaluated" if before is None else f"start {before:.3f}, {value - before:+.3f}"
+        return f"{value:.3f} ({gain})"
+
     pass1 = f"; pass@1 over {cfg.eval_samples} samples: {metrics['eval_pass1']:.3f}" if "eval_pass1" in metrics else ""
+    reward = f"; mean reward {figure('eval_reward')}" if "eval_reward" in metrics else ""
     if start is None:
-        return f"held-out greedy {measure(cfg)} before training: {acc:.3f} ({heldout} problems){pass1}"
-    acc_start = start.get("eval_accuracy")
-    gain = "start not evaluated" if acc_start is None else f"start {acc_start:.3f}, {acc - acc_start:+.3f}"
-    return f"held-out greedy {measure(cfg)} after training:  {acc:.3f} ({gain}){pass1}"
+        acc = f"{figure('eval_accuracy')} ({heldout} problems)"
+        return f"held-out greedy {measure(cfg)} before training: {acc}{reward}{pass1}"
+    return f"held-out greedy {measure(cfg)} after training:  {figure('eval_accuracy')}{reward}{pass1}"
 
 
 def merge_scores(parts: list[Scores]) -> Scores:
@@ -153,7 +176,7 @@ def merge_scores(parts: list[Scores]) -> Scores:
             metrics.setdefault(k, []).append(v)
     parts_ = torch.cat([p.parts for p in parts], dim=1)
     total = torch.cat([p.total for p in parts])
-    return Scores(parts_, total, {k: sum(v) / len(v) for k, v in metrics.items()}, {})
+    return Scores(parts_, total, {k: mean(v) for k, v in metrics.items()}, {})
 
 
 def completion_rows(tokenizer, ro: Rollout, texts: list[str], scores: Scores, names: list[str], rows) -> list[dict]:
@@ -165,9 +188,9 @@ def completion_rows(tokenizer, ro: Rollout, texts: list[str], scores: Scores, na
         prompt = tokenizer.decode(ro.prompt_ids[i][ro.prompt_mask[i].bool()], skip_special_tokens=False)
         parts = {n: (None if math.isnan(x) else x) for n, x in zip(names, scores.parts[:, i].tolist())}
         row = {"prompt": prompt, "completion": texts[i], "reward": scores.total[i].item(), "rewards": parts}
-        for column, values in scores.extras.items():
+        for column, values in scores.extras.items():  # log_extra's, under a prefix: never the row's own keys
             if len(values) == len(texts):
-                row[column] = values[i]
+                row[f"{LOGGED}{column}"] = values[i]
         out.append(row)
     return out
 

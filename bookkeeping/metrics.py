@@ -1,7 +1,7 @@
 """What a step reports: its line of metrics.jsonl (docs/metrics.md), the progress bar, and the phase timers.
 
 metrics_row     the step's line: rewards, lengths, entropy, the update's statistics, timings, memory
-reward_metrics  the reward functions' own figures (rewards/NAME, reward_none_frac, what they logged)
+reward_metrics  the reward functions' own figures (accuracy, rewards/NAME, reward_none_frac, logged/NAME)
 show            the key figures in the progress bar
 Timer, clock    seconds per phase of a step, with CUDA's queued work counted where it ran
 """
@@ -12,7 +12,7 @@ import time
 import torch
 
 from bookkeeping.run_io import current_memory_gb, peak_memory_gb
-from problems.user_rewards import Scores
+from problems.user_rewards import LOGGED, Scores
 
 
 def metrics_row(step: int, res, group_size: int, wall_s: float, step_s: float, device) -> dict:
@@ -27,7 +27,10 @@ def metrics_row(step: int, res, group_size: int, wall_s: float, step_s: float, d
         "step": step,
         "wall_s": wall_s,
         "reward": rewards.mean().item(),
-        "accuracy": (rewards == 1.0).float().mean().item(),
+        # Without the step's Scores, the rule for rewards with no built-in verifier: the share of weighted rewards
+        # > 0 (for the default run, `math` at weight 1, the share rewarded 1). reward_metrics, given the Scores,
+        # replaces it with Scores.accuracy, the one definition (docs/metrics.md).
+        "accuracy": (rewards > 0).float().mean().item(),
         "zero_std_frac": (groups.amax(1) == groups.amin(1)).float().mean().item(),
         "completion_len": cm.sum(1).mean().item(),
         "truncated_frac": ro.truncated.float().mean().item(),
@@ -44,13 +47,16 @@ def metrics_row(step: int, res, group_size: int, wall_s: float, step_s: float, d
 
 
 def reward_metrics(scores: Scores | None, names: list[str]) -> dict:
-    """The step's rewards/NAME (each function's mean over the completions it scored), reward_none_frac and what
-    the functions logged (log_metric)."""
+    """The step's accuracy (Scores.accuracy: the built-in verifier's share credited, else the share of weighted
+    rewards > 0), rewards/NAME (each function's mean over the completions it scored), reward_none_frac and what the
+    functions logged (log_metric) as logged/NAME: a prefix of their own, so no name a function picks can replace
+    one of the row's figures."""
     if scores is None:
         return {}
-    out = {f"rewards/{k}": v for k, v in scores.means(names).items()}
+    out = {"accuracy": scores.accuracy(names)}
+    out.update({f"rewards/{k}": v for k, v in scores.means(names).items()})
     out["reward_none_frac"] = scores.none_frac()
-    out.update(scores.metrics)
+    out.update({f"{LOGGED}{k}": v for k, v in scores.metrics.items()})
     return out
 
 

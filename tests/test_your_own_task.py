@@ -224,7 +224,9 @@ def test_a_run_with_rewards_of_ones_own_reports_each_and_their_weighted_sum(tmp_
     flags = ["--dataset", data, *[x for s in specs for x in ("--reward", s)], "--reward-weights", "1", "0.5", "2"]
     r = main(*tiny(warm_cache, out, *flags, "--log-completions", "4"))
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "held-out greedy reward before training" in r.stdout + r.stderr
+    # No built-in verifier among them: the accuracy counts weighted rewards > 0, the mean reward is beside it.
+    log = r.stdout + r.stderr
+    assert "held-out greedy accuracy (weighted reward > 0) before training" in log and "; mean reward " in log
     saved = json.loads((out / "config.json").read_text())
     assert saved["reward"] == specs and saved["reward_weights"] == [1, 0.5, 2]
     assert saved["reward_names"] == ["exact", "length", "odd"] and saved["prompt_template"] == "{question}"
@@ -246,21 +248,23 @@ def test_a_run_with_rewards_of_ones_own_reports_each_and_their_weighted_sum(tmp_
         assert row["reward"] == pytest.approx(by_hand, abs=1e-6)
     train_rows = [r for r in rows if r["split"] == "train"]
     assert [r["step"] for r in train_rows] == [0] * 4 + [1] * 4 + [2] * 4 and all("advantage" in r for r in train_rows)
-    assert all(r["chars"] == len(r["completion"]) for r in train_rows)  # log_extra's column
+    assert all(r["logged/chars"] == len(r["completion"]) for r in train_rows)  # log_extra's column, prefixed
     for m in metrics:
         mine_rows = [r for r in train_rows if r["step"] == m["step"]]
         assert m["reward"] == pytest.approx(sum(r["reward"] for r in mine_rows) / 4, abs=1e-5)
         assert m["rewards/exact"] == pytest.approx(sum(r["rewards"]["exact"] for r in mine_rows) / 4, abs=1e-6)
         nones = sum(r["rewards"]["odd"] is None for r in mine_rows)
         assert m["reward_none_frac"] == pytest.approx(nones / 12, abs=1e-6)  # of 3 functions x 4 rows
-        assert m["odd_frac"] == pytest.approx(nones / 4, abs=1e-6)  # log_metric's scalar
+        assert m["logged/odd_frac"] == pytest.approx(nones / 4, abs=1e-6)  # log_metric's scalar, prefixed
+        assert m["accuracy"] == sum(r["reward"] > 0 for r in mine_rows) / 4  # no built-in verifier: reward > 0
     # Evaluation scores with the same functions and weights: 4 held-out rows before (step -1) and after (step 2).
     held = [r for r in rows if r["split"] == "eval"]
     assert [r["step"] for r in held] == [-1] * 4 + [2] * 4 and [r["prompt"] for r in held[:4]] == [
         q for q, _ in ARITH[:4]
     ]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["eval_accuracy_start"] == pytest.approx(sum(r["reward"] for r in held[:4]) / 4, abs=1e-6)
+    assert summary["eval_reward_start"] == pytest.approx(sum(r["reward"] for r in held[:4]) / 4, abs=1e-6)
+    assert summary["eval_accuracy_start"] == sum(r["reward"] > 0 for r in held[:4]) / 4
     assert summary["eval_rewards/exact_end"] == pytest.approx(sum(r["rewards"]["exact"] for r in held[4:]) / 4)
     # What the functions were given: TRL's keywords, the data set's columns, the steps done.
     calls = user_module(tmp_path / "mine.py").CALLS
@@ -732,7 +736,11 @@ def test_the_your_own_task_page_runs_as_written(tmp_path):
     assert {"rewards/exact", "rewards/length", "reward_none_frac"} <= set(jsonl(run / "metrics.jsonl")[-1])
     summary = json.loads((run / "summary.json").read_text())
     figures = re.search(r"here ([\d.]+) and ([\d.]+) of a possible", text)
-    assert summary["eval_accuracy_start"] == pytest.approx(float(figures.group(1)), abs=0.05)
+    assert summary["eval_reward_start"] == pytest.approx(float(figures.group(1)), abs=0.05)
+    accuracy = re.search(r"is > 0: here ([\d.]+) before and after", text)  # no verifier: weighted reward > 0
+    assert summary["eval_accuracy_start"] == pytest.approx(float(accuracy.group(1)), abs=0.05)
+    exact = re.search(r"`eval_rewards/exact` \(([\d.]+), then", text)
+    assert summary["eval_rewards/exact_start"] == pytest.approx(float(exact.group(1)), abs=0.05)
     # The commands for a real model are not run here, but every flag in them exists and passes the checks.
     commands = [
         line for b in later for line in b.replace("\\\n", " ").splitlines() if line.startswith("python train.py")
