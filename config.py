@@ -13,6 +13,7 @@ import argparse
 import inspect
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -28,9 +29,10 @@ class ConfigError(ValueError):
     """A flag value that cannot work; train.py prints it as one line and exits with status 2."""
 
 
-def arg(default, help: str, choices=None, many: str | None = None):
-    """A Config field; `many`: "append" (a repeatable flag, one value each) or "+" (one flag, several values)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "many": many})
+def arg(default, help: str, choices=None, many: str | None = None, empty_ok: bool = False):
+    """A Config field; `many`: "append" (a repeatable flag, one value each) or "+" (one flag, several values).
+    A text field refuses "" (and blanks) unless `empty_ok` says that "" means something (refuse_empty)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "many": many, "empty_ok": empty_ok})
 
 
 @dataclass
@@ -81,9 +83,11 @@ class Config:
     reward_weights: list[float] | None = arg(
         None, "one weight per --reward (default: 1 each); the reward is their weighted sum", many="+"
     )
-    system_prompt: str | None = arg(None, "a system message before each prompt ('' for an empty one)")
+    system_prompt: str | None = arg(None, "a system message before each prompt ('' for an empty one)", empty_ok=True)
     instruction: str | None = arg(
-        None, "text after the question, replacing the task's ({question} in it stands for the question)"
+        None,
+        "text after the question, replacing the task's ({question} in it stands for the question; '' for none)",
+        empty_ok=True,
     )
     chat_template: bool = arg(True, "raw prompt text (for a base model) even where the tokenizer has a chat template")
     # --- sampling (steps 1-2) -----------------------------------------------------------------
@@ -227,7 +231,7 @@ class Config:
     dtype: str = arg(
         "auto", "auto (bfloat16 autocast on cuda, float32 on cpu), float32, bfloat16", ["auto", "float32", "bfloat16"]
     )
-    out: str | None = arg(None, "output folder (default: runs/<timestamp>)")
+    out: str | None = arg(None, "output folder (default: runs/<date-time>-<process id>, a new one)")
     progress: bool = arg(True, "the tqdm progress bar (--no-progress hides it)")
     report_to: str = arg(
         "none",
@@ -301,11 +305,19 @@ def flag_name(f) -> str:
     return "--" + ("no-" if f.default is True else "") + f.name.replace("_", "-")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors (a value of the wrong type, an unknown flag) are one line on stderr, as every
+    other bad input's, not a usage block and a line: status 2 all the same."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (python train.py --help lists the flags)\n")
+
+
 def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
     """The CLI, built from Config: a group per section of the dataclass (`help_groups`), each flag's allowed values
     and default once.
     With suppress_defaults, the parsed namespace holds only the flags given (what --resume compares)."""
-    p = argparse.ArgumentParser(
+    p = Parser(
         usage="python train.py [flags]   (e.g. --offpolicy-steps 4; --resume --out RUN continues a run)",
         description="On- and off-policy GRPO on one device. docs/flags.md explains each group.",
     )
@@ -341,11 +353,18 @@ NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNO
 
 
 def join_negative_values(argv: list[str]) -> list[str]:
-    """`--lr -1e-5` as `--lr=-1e-5`: argparse takes a value that starts with '-' for a flag unless it looks like a
-    plain negative number, so `-1e-5` would read as an unknown flag ("expected one argument")."""
+    """Negative numbers as values: argparse takes a value that starts with '-' for a flag unless it looks like a
+    plain negative number (-1, -.5), so `--lr -1e-5` or `--reward-weights 1 -1e-3` would read as an unknown flag.
+    A one-value flag's is joined to it (`--lr=-1e-5`); each of a several-value flag's (`nargs="+"`, numbers only)
+    gets a trailing space, which argparse reads as a value (a flag has no spaces) and int() / float() ignore."""
     out = []
     several = {flag_name(f) for f in fields(Config) if f.metadata["many"] == "+"}  # `--reward-weights -1 0.5`
+    values_of = None  # the several-value flag whose values are being read
     for a in argv:
+        if values_of and NUMBER.match(a):
+            out.append(a + " ")
+            continue
+        values_of = a if a in several else values_of if not a.startswith("-") else None
         if out and out[-1].startswith("--") and "=" not in out[-1] and out[-1] not in several and NUMBER.match(a):
             out[-1] = f"{out[-1]}={a}"
         else:
@@ -363,6 +382,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[s
 def config_from_args(args: argparse.Namespace, given: set[str] | None = None) -> Config:
     """The run's Config; with --resume, the one saved in --out/config.json, with --out as given (the folder is
     the run, wherever it has been copied or moved) and only the flags of RESUME_MAY_CHANGE allowed to differ."""
+    refuse_empty(args)
     if not args.resume:
         return resolve(Config(**vars(args)))
     if not args.out:
@@ -411,6 +431,35 @@ def local_or_hub(name: str | None) -> str | None:
     return absolute(name) if name is not None and Path(name).expanduser().exists() else name
 
 
+def looks_like_path(name: str, suffixes: tuple[str, ...] = ()) -> bool:
+    """Whether a --dataset / --model name can only be a local path, never a hub id (NAME or ORG/NAME): it starts with
+    ./ ../ / or ~, holds more than one '/' or a backslash, or ends in one of `suffixes` (a data file's). Such a name
+    that does not exist is a missing file or folder, said as such, not sent to the hub to fail there as a bad repo
+    id."""
+    return (
+        name.startswith(("./", "../", "/", "~"))
+        or name in (".", "..")
+        or name.count("/") > 1
+        or "\\" in name
+        or Path(name).suffix.lower() in suffixes
+    )
+
+
+def refuse_empty(values) -> None:
+    """Every text flag refuses "" and blanks, naming the flag: an unset shell variable (`--dataset $DATA`) would
+    otherwise be read as the working directory (Path("") is "."), a hub name "" or an empty column name. The
+    exceptions are the fields marked empty_ok, where "" means something (--system-prompt "": an empty system
+    message; --instruction "": none). `values`: a Config or the parsed flags (same names)."""
+    for f in fields(Config):
+        if "str" not in str(f.type) or f.metadata["empty_ok"]:
+            continue
+        value = getattr(values, f.name, None)
+        if any(isinstance(v, str) and not v.strip() for v in (value if isinstance(value, list) else [value])):
+            raise ConfigError(
+                f"{flag_name(f)}: empty (an unset shell variable?); give a value, or leave the flag out for its default"
+            )
+
+
 def normalised(name: str, value):
     """A flag's value as resolve() stores it, so that --resume compares like with like."""
     if name in ("data_files", "eval_files", "cache_dir", "out"):
@@ -422,8 +471,25 @@ def normalised(name: str, value):
     return value
 
 
+_OUTS_GIVEN: set[str] = set()  # the default --out folders this process has handed out
+
+
+def default_out() -> str:
+    """runs/<date-time>-<process id>, a new folder: two runs started in the same second (each its own process, or
+    two Configs of one process) never share one, which would make the second refuse to start. The process id tells
+    processes apart; a numbered suffix tells apart this process's own names and a folder already on disk."""
+    name = base = time.strftime("runs/%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+    n = 1
+    while name in _OUTS_GIVEN or Path(name).exists():
+        n += 1
+        name = f"{base}-{n}"
+    _OUTS_GIVEN.add(name)
+    return name
+
+
 def resolve(cfg: Config) -> Config:
     """Fill in the defaults that depend on other fields or on the machine; make the paths absolute."""
+    refuse_empty(cfg)  # before "" becomes the working directory below
     if cfg.max_new_tokens is None:
         cfg.max_new_tokens = 512 if cfg.dataset else {"arithmetic": 8, "math": 1024}.get(cfg.task, 512)
     if cfg.device == "auto":
@@ -431,7 +497,7 @@ def resolve(cfg: Config) -> Config:
     if cfg.dtype == "auto":
         cfg.dtype = "bfloat16" if cfg.device.startswith("cuda") else "float32"
     if cfg.out is None:
-        cfg.out = time.strftime("runs/%Y%m%d-%H%M%S")
+        cfg.out = default_out()
     cfg.out, cfg.cache_dir = absolute(cfg.out), absolute(cfg.cache_dir)
     cfg.data_files, cfg.eval_files = absolute(cfg.data_files), absolute(cfg.eval_files)
     cfg.reward = [absolute_spec(s) for s in cfg.reward] if cfg.reward else ["math"]
@@ -443,6 +509,7 @@ def resolve(cfg: Config) -> Config:
 
 def validate(cfg: Config) -> None:
     """Reject values that cannot work, naming the flag; runs before any model is loaded."""
+    refuse_empty(cfg)
     for f in fields(Config):  # nan and inf pass every comparison below the wrong way, or crash a step later
         value = getattr(cfg, f.name)
         if isinstance(value, float) and not math.isfinite(value):
@@ -563,9 +630,17 @@ def validate_data_and_rewards(cfg: Config, changed: set[str]) -> None:
             raise ConfigError("--dataset replaces --task and --data-files: give the one or the others")
         local = Path(cfg.dataset).expanduser().is_file()
         if local and ("split" in changed or cfg.eval_split):
+            given = " and ".join(
+                f"--{n.replace('_', '-')} {getattr(cfg, n)}" for n in ("split", "eval_split") if n in changed
+            )
             raise ConfigError(
-                f"--split / --eval-split name splits of a hub data set or a folder; {cfg.dataset} is one file "
+                f"{given}: cannot act here: a split is a hub data set's or a folder's; {cfg.dataset} is one file "
                 "(held-out rows: --eval-files, or its first --eval-size rows)"
+            )
+        if local and cfg.dataset_config is not None:
+            raise ConfigError(
+                f"--dataset-config {cfg.dataset_config}: cannot act here: {cfg.dataset} is one file (a configuration "
+                "is a hub data set's)"
             )
         if cfg.eval_split and cfg.eval_files:
             raise ConfigError("--eval-split and --eval-files both name the held-out rows: give one")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from config import Config, ConfigError
+from config import Config, ConfigError, looks_like_path
 
 
 def gguf_file(model: str) -> Path | None:
@@ -94,6 +94,13 @@ def load_policy(cfg: Config, log=print):
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        local = Path(cfg.model).expanduser()
+        # A name only a path can have (./x, /x, ~/x, a/b/c) that is not there is a missing folder: transformers would
+        # take it for a hub id and say "Repo id must be in the form 'repo_name'", or look it up on the hub.
+        if not local.exists() and looks_like_path(cfg.model):
+            raise ConfigError(f"--model {cfg.model}: no such folder")
+        if local.is_file():
+            raise ConfigError(f"--model {cfg.model}: is a file; give a model's folder, a hub id or a .gguf file")
         try:
             tok = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
             model = AutoModelForCausalLM.from_pretrained(

@@ -32,7 +32,9 @@ names the prompt column (TRL's `prompt` by default), text or TRL's conversationa
 content}` messages); `--answer-field` names the gold (`answer` by default; needed only by the built-in verifier),
 free-form: `#### 7` (GSM8K), `\\boxed{7}` or a plain `7`, `\\frac{1}{2}` (`gold_answer`). Every other column is
 handed to the reward functions (rewards.py) as it is. Held-out rows: `--eval-split`, else `--eval-files`, else
-the first `eval_size` rows. A bad file, row or field is a TaskError naming it.
+the first `eval_size` rows. A bad file, row or field is a TaskError naming it and the flag that gave it; a name only a
+path can have (`config.looks_like_path`) that is not there is a missing file, never a hub name. A local file is
+cached by the sha256 of its bytes (`content_cache`), not by its time stamp as `datasets` does, and must be UTF-8.
 
 Prompts (`render_prompt`) use the tokenizer's chat template when it has one: a user message holding the question
 and an instruction asking for the final answer after `####` (in `\\boxed{}` for math; a data set of your own has
@@ -42,7 +44,9 @@ blank line when given, then the question, then `--instruction` when given (the t
 chat models); the tiny policy sees the bare expression.
 """
 
+import codecs
 import dataclasses
+import hashlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -50,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from config import looks_like_path
 from reward import extract_answer, parse_number
 
 HELDOUT_SEED = 1234  # fixes the arithmetic held-out split for every run
@@ -295,13 +300,17 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0][:200] if text else type(e).__name__
 
 
-def read_dataset(name: str, config: str | None, split: str, flag: str):
+def read_dataset(name: str, config: str | None, split: str, flag: str, split_flag: str | None = "--split"):
     """A `datasets.Dataset`: a local file by its suffix, a `save_to_disk` folder, or a hub name (any other folder is
-    given to `load_dataset` too, as TRL's users load theirs). One TaskError naming `flag` and the data set."""
+    given to `load_dataset` too, as TRL's users load theirs). One TaskError naming the flag the user gave: `flag` for
+    the data set (--dataset, --eval-files), `split_flag` for a split that is not there (--split, --eval-split; None:
+    the 'train' split --eval-files reads), --dataset-config for a configuration."""
     import datasets  # only data sets of one's own need it
 
     path = Path(name).expanduser()
     where = f"{flag} {name}"
+    if not path.exists() and looks_like_path(name, tuple(DATA_SUFFIXES)):  # not a hub name: never sent there
+        raise TaskError(f"{where}: no such file" + ("" if path.suffix.lower() in DATA_SUFFIXES else " or folder"))
     if path.exists() and not path.is_dir() and not path.is_file():
         raise TaskError(f"{where}: is a pipe or a device, not a file; save it to a file (--resume rereads it)")
     try:
@@ -314,25 +323,82 @@ def read_dataset(name: str, config: str | None, split: str, flag: str):
             bars = datasets.is_progress_bar_enabled()
             datasets.disable_progress_bars()  # a local file's "Generating train split" bars are noise
             try:
-                return datasets.load_dataset(builder, data_files=str(path), split="train")
+                cache = content_cache(path, where)
+                return datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache)
             finally:
                 if bars:
                     datasets.enable_progress_bars()
         if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
-            ds = datasets.load_from_disk(str(path))  # a folder written by save_to_disk
+            ds = datasets.load_from_disk(str(path))  # a folder written by save_to_disk: read as it is, no cache
             if isinstance(ds, datasets.DatasetDict):
                 if split not in ds:
-                    raise TaskError(f"{where}: no split {split!r} (it has {', '.join(ds)}); choose one with --split")
+                    splits = ", ".join(ds)
+                    if split_flag is None:
+                        raise TaskError(f"{where}: its splits are {splits}, none 'train'; give one split's folder")
+                    raise TaskError(f"{split_flag} {split}: {name} has no such split (it has {splits})")
                 ds = ds[split]
             return ds
-        return datasets.load_dataset(name, config, split=split)
+        cache = content_cache(path, where) if path.is_dir() else None  # a folder of data files
+        return datasets.load_dataset(name, config, split=split, cache_dir=cache)
     except TaskError:
         raise
     except Exception as e:  # datasets and pyarrow raise many types; a bad JSONL line is named below if it is one
         bad = bad_json_line(path) if path.is_file() and path.suffix.lower() in (".jsonl", ".json") else None
         if bad:
             raise TaskError(f"{path}:{bad}") from None
-        raise TaskError(f"{where}: cannot be loaded ({first_line(e)})") from None
+        why = first_line(e)
+        # datasets says which of the names it was given is wrong only in its message: "BuilderConfig 'x' not
+        # found", "Config name is missing", "Unknown split "x"". The error names the flag that gave that name.
+        if "config" in why.lower() and config is None:
+            raise TaskError(f"{where}: needs --dataset-config ({why})") from None
+        if "config" in why.lower():
+            raise TaskError(f"--dataset-config {config}: {name} cannot be loaded with it ({why})") from None
+        if "split" in why.lower() and split_flag is not None:
+            raise TaskError(f"{split_flag} {split}: {name} has no such split ({why})") from None
+        raise TaskError(f"{where}: cannot be loaded ({why})") from None
+
+
+def content_cache(path: Path, where: str) -> str:
+    """The cache folder of a local data set, named by the sha256 of its bytes (of a folder: every file's name and
+    bytes, hidden ones aside, as datasets leaves them): datasets keys its cache of a local file by the file's
+    modification time only, so a file rewritten with its old time stamp would be served stale. Hashing reads the
+    file once, much faster than converting it again: an unchanged file's second read still comes from the cache.
+
+    On the way, a text file (.jsonl / .json / .csv) that is not UTF-8 is a TaskError naming its byte and line:
+    datasets would take the bytes into its strings unchecked, and the first row holding them would fail later
+    with a traceback."""
+    import datasets
+
+    digest = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and not hidden(p, path))
+    for f in files:
+        digest.update(f"{f.relative_to(path)}\0".encode())
+        text = f.suffix.lower() in (".jsonl", ".json", ".csv")
+        decoder, offset, lines = codecs.getincrementaldecoder("utf-8")(), 0, 0
+        with open(f, "rb") as stream:
+            while True:
+                block = stream.read(1 << 20)
+                digest.update(block)
+                if text:
+                    held = len(decoder.getstate()[0])  # a character split across two blocks: its first bytes
+                    try:
+                        decoder.decode(block, final=not block)
+                    except UnicodeDecodeError as e:
+                        at = offset - held + e.start  # the first bad byte, counted from the file's start
+                        line = lines + block[: max(0, at - offset)].count(b"\n") + 1
+                        named = where if f == path else f"{where}: {f.relative_to(path)}"
+                        raise TaskError(f"{named}: not UTF-8 at byte {at} (line {line}); save it as UTF-8") from None
+                    lines += block.count(b"\n")
+                if not block:
+                    break
+                offset += len(block)
+        digest.update(b"\0")
+    return str(Path(datasets.config.HF_DATASETS_CACHE) / "by-content" / digest.hexdigest()[:32])
+
+
+def hidden(file: Path, folder: Path) -> bool:
+    """A file datasets skips in a folder: one under a name starting with '.' or '__'."""
+    return any(part.startswith((".", "__")) for part in file.relative_to(folder).parts)
 
 
 def bad_json_line(path: Path) -> str | None:
@@ -371,8 +437,12 @@ def dataset_problems(
             f"{where}: no field {answer_field!r} (its fields: {', '.join(fields)}), which the built-in verifier "
             "(--reward math) reads; name it with --answer-field, or give rewards of your own"
         )
+    try:
+        rows = ds.to_list()
+    except UnicodeDecodeError as e:  # text that is not UTF-8 in a data set not read from a local text file
+        raise TaskError(f"{where}: holds text that is not UTF-8 ({e.reason} at byte {e.start} of a value)") from None
     problems = []
-    for i, row in enumerate(ds.to_list(), start=1):
+    for i, row in enumerate(rows, start=1):
         prompt, messages = row[prompt_field], None
         if isinstance(prompt, list):  # TRL's conversational format
             ok = prompt and all(
@@ -428,10 +498,10 @@ def load_dataset_problems(
     where = str(Path(name).expanduser()) if local else f"{name} ({split})"
     train = dataset_problems(read_dataset(name, config, split, "--dataset"), where, **fields, prompting=prompting)
     if eval_split is not None:
-        ds = read_dataset(name, config, eval_split, "--eval-split")
+        ds = read_dataset(name, config, eval_split, "--dataset", "--eval-split")
         heldout = dataset_problems(ds, f"{name} ({eval_split})", **fields, prompting=prompting)
     elif eval_files is not None:
-        ds = read_dataset(eval_files, None, "train", "--eval-files")
+        ds = read_dataset(eval_files, None, "train", "--eval-files", None)
         heldout = dataset_problems(ds, str(Path(eval_files).expanduser()), **fields, prompting=prompting)
     else:
         if len(train) <= eval_size:
@@ -520,7 +590,11 @@ def render_prompt(tokenizer, p: Problem) -> str:
 
 def prompt_record(tokenizer, p: Problem) -> dict:
     """What config.json records of the prompts (`prompt_format`, `prompt_template`, `prompt_example`): how the
-    first training prompt was written, and the template with `{question}` where each question goes."""
+    first training prompt was written, and the template with `{question}` where each question goes.
+
+    `prompt_example` is the text the model was given: the token ids encode_prompts makes of it, decoded (special
+    tokens kept). A tokenizer may not give back what it was given (the built-in one turns every character it does
+    not know into <unk>); `prompt_example_lossy` says whether the two differ."""
     chat = uses_chat_template(tokenizer, p)
     fmt = (
         "chat template"
@@ -534,7 +608,14 @@ def prompt_record(tokenizer, p: Problem) -> dict:
     template = None
     if p.messages is None:
         template = render_prompt(tokenizer, dataclasses.replace(p, question="{question}"))
-    return {"prompt_format": fmt, "prompt_template": template, "prompt_example": render_prompt(tokenizer, p)}
+    ids, mask = encode_prompts(tokenizer, [p], "cpu")
+    seen = tokenizer.decode(ids[0][mask[0].bool()], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return {
+        "prompt_format": fmt,
+        "prompt_template": template,
+        "prompt_example": seen,
+        "prompt_example_lossy": seen != render_prompt(tokenizer, p),
+    }
 
 
 def encode_prompts(tokenizer, problems: list[Problem], device) -> tuple[torch.Tensor, torch.Tensor]:
