@@ -330,6 +330,11 @@ def advantages_of(cfg: Config, rewards: torch.Tensor, gen: torch.Generator) -> t
     """Step 4: the advantages and the valid mask (advantage.group_advantages), with [B]'s data shaping where asked:
     AsymRE's shifted baseline (--asymre-shift), RED-Drop or RED-Weight (--red); --reward-shuffle, the null control,
     credits each reward to a random sample of the step."""
+    # The group statistics square the rewards in float32: rewards that each fit it can still overflow them
+    # (|r| ~ 1e20), and every advantage would silently be 0 or NaN.
+    if not torch.isfinite(rewards.float().square().sum()):
+        big = rewards.abs().max().item()
+        raise RewardError(f"--reward: a reward of {big:.3g} is beyond what float32 group statistics hold; rescale it")
     if cfg.reward_shuffle:
         rewards = rewards[torch.randperm(rewards.numel(), generator=gen, device=rewards.device)]  # (N,)
     keep = red_drop(rewards, cfg.group_size, gen) if cfg.red == "drop" else None

@@ -179,7 +179,12 @@ def import_file(spec: str, path: Path):
 
 
 def import_module(spec: str, name: str):
-    if os.getcwd() not in sys.path:  # as `python -m` does: a module beside the user's files is importable
+    # The working directory first, as `python -m` puts it: a user's reward.py or config.py must not lose to the
+    # project's module of that name, already imported (sys.modules would answer before any path is searched).
+    local = Path.cwd() / (name.replace(".", os.sep) + ".py")
+    if local.is_file():
+        return import_file(spec, local)
+    if os.getcwd() not in sys.path:  # a package beside the user's files is importable
         sys.path.append(os.getcwd())
     try:
         return importlib.import_module(name)

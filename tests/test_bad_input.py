@@ -509,3 +509,14 @@ def test_a_value_argparse_cannot_read_is_one_line_too(capsys, args, words):
         train.main(args)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.splitlines() == [f"error: {words} (python train.py --help lists the flags)"]
+
+
+@pytest.mark.parametrize("name", ["reward", "config", "train", "objective"])
+def test_a_users_module_named_like_the_projects_own_is_the_one_loaded(tmp_path, monkeypatch, name):
+    # The project's own module of that name is already imported; the user's file in the working directory wins.
+    from problems.user_rewards import load_reward
+
+    (tmp_path / f"{name}.py").write_text("def fn(completions, **kw):\n    return [7.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    r = load_reward(f"{name}:fn")
+    assert r.fn(completions=["a", "b"]) == [7.0, 7.0]

@@ -79,3 +79,17 @@ def test_a_reward_failure_at_the_first_step_leaves_no_run(warm_cache, tmp_path, 
     out = tmp_path / "run"
     assert train.main([str(a) for a in args(warm_cache, out, reward, "--no-eval-start")]) == 2
     assert not out.exists() or not any(out.iterdir()), list(out.iterdir())  # nothing to resume: no run there
+
+
+@pytest.mark.parametrize("big", [1e20, -3e19, 3e38])
+def test_rewards_too_large_for_float32_group_statistics_are_one_error(big):
+    # Each reward fits float32, but the group's variance squares it: without the check every advantage would be 0
+    # (1e20: the variance is inf) or NaN (3e38), silently.
+    from config import Config
+    from problems.user_rewards import RewardError
+
+    cfg = Config(group_size=4)
+    rewards = torch.tensor([big, 0.0, 0.0, 1.0])
+    with pytest.raises(RewardError, match="beyond what float32 group statistics hold"):
+        train.advantages_of(cfg, rewards, torch.Generator().manual_seed(0))
+    train.advantages_of(cfg, torch.tensor([1e15, 0.0, 0.0, 1.0]), torch.Generator().manual_seed(0))  # fits: fine
