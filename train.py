@@ -259,7 +259,7 @@ def update(cfg: Config, policy, opt, batch: Batch, ref_logp) -> tuple[dict, torc
     mismatch = staleness_stats(
         alpha_logp, pi_k_logp, loss_mask, is_cap=cfg.is_cap, is_mask=cfg.is_mask, is_level=cfg.is_level
     )
-    return stats.result(mismatch), pi_k_logp
+    return stats.result(mismatch) | {"micro_batch": mb}, pi_k_logp
 
 
 def logprobs(cfg: Config, model, seq, rows=slice(None)) -> torch.Tensor:

@@ -6,12 +6,11 @@
         --max-new-tokens 256 --beta 0.04 --device cuda --dtype bfloat16
 
 The timed step is train.py's own, `train.grpo_step`; its phases are the ones it times itself:
-    refresh  pi_ref <- pi_theta with --ref-refresh (alpha needs nothing: it is pi_theta at a refresh)
     sample   at a refresh, rollout.generate_batches of the cycle's v batches (the path is printed: plain or
              static-cache+cuda-graph); 0 at the other steps
     score    the reward function at a refresh (here: decode to text, synthetic rewards); advantages
     logprob  train.logprobs without grad: log alpha of the cycle at a refresh (--alpha-logp-from
-             recompute), pi_ref when --beta > 0
+             recompute), pi_ref when --beta > 0 (and its --ref-refresh copy)
     update   train.update: forward, backward and the AdamW step, micro-batched
 With v > 1 the steps of a cycle differ (the refresh does the sampling), so the figure to compare is the mean
 over whole cycles: --warmup and --steps are rounded up to multiples of v, and each phase's mean is printed,
@@ -53,7 +52,7 @@ from bookkeeping.metrics import clock
 from bookkeeping.run_io import current_memory_gb, peak_memory_gb, reset_peak_memory
 from config import Config, ConfigError, add_flags, resolve, validate
 from engine.decoding import sampling_path
-from engine.policy import auto_micro_batch, autocast, gguf_file, load_gguf, make_models
+from engine.policy import autocast, gguf_file, load_gguf, make_models
 from train import grpo_step
 
 PRESETS = {  # random-weight models with a real model's shape
@@ -79,7 +78,7 @@ PRESETS["qwen2.5-1.5b-random"] = dict(
 )
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: benchmarks/ is one level down
 QWEN_TOKENIZER = os.path.join(ROOT, "..", "shared", "data", "qwen2-tokenizer")
-PHASES = ["refresh", "sample", "score", "logprob", "update"]
+PHASES = ["sample", "score", "logprob", "update"]
 
 
 # train.py's flags that the benchmark takes as they are (config.add_flags), and its smaller default sizes.
@@ -249,7 +248,6 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
         return [(p, torch.ones_like(p), reward_fn) for p in prompts]  # (B, P) each, no padding
 
     rows, cycle, peaks, update_gb = [], None, [], []
-    n, length = cfg.prompts_per_step * cfg.group_size, args.prompt_len + cfg.max_new_tokens
 
     def measured_update(*a, **kw):  # train.update, and the memory it adds at its peak: what checkpointing shrinks
         peaks.append(peak_memory_gb(device))  # the peak so far survives the reset below
@@ -269,7 +267,7 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
             res, cycle = grpo_step(cfg, models, tok, k, gen, cycle, draw, ignore_eos=True)
             if k >= warmup:
                 row = dict(res.times, step=clock(device) - t, tokens=int(res.rollout.completion_mask.sum()))
-                rows.append(row | {"sampler_mismatch": res.stats.get("sampler_mismatch")})
+                rows.append(row | {k: res.stats.get(k) for k in ("sampler_mismatch", "micro_batch")})
     finally:
         train.update = plain_update
     # The sampler's log alpha against a full forward (train.sampler_mismatch), over the steps that measure it.
@@ -287,8 +285,8 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
         "sample_tokens_per_s": sum(r["tokens"] for r in rows) / max(sum(r["sample"] for r in rows), 1e-9),
         "sampler_mismatch": statistics.fmean(mismatch) if mismatch else None,
         "sampling_path": sampling_path(models.policy, cfg.fast),
-        # --micro-batch, or the default's choice for these shapes with the memory free now (policy.auto_micro_batch)
-        "micro_batch": cfg.micro_batch or auto_micro_batch(models.policy, n, length, cfg.gradient_checkpointing),
+        # the micro-batch the timed steps' updates used (--micro-batch, or policy.auto_micro_batch's choice)
+        "micro_batch": max((r["micro_batch"] for r in rows if r["micro_batch"] is not None), default=None),
         "timed_steps": steps,
         "warmup_steps": warmup,
     }

@@ -36,7 +36,7 @@ def metrics_row(step: int, res, group_size: int, wall_s: float, step_s: float, d
         "truncated_frac": ro.truncated.float().mean().item(),
         "entropy": (ro.entropy * cm).sum().item() / max(n_tok, 1),
         **res.stats,  # loss, clip fractions, rho', KL, sampler_mismatch: as the step computed them
-        "t_sample": t["refresh"] + t["sample"],  # a cycle's sampling is billed to its refresh step
+        "t_sample": t["sample"],  # a cycle's sampling is billed to its refresh step
         "t_score": t["score"],
         "t_logprob": t["logprob"],
         "t_update": t["update"],
@@ -86,7 +86,7 @@ class Timer:
 
     def __init__(self, device):
         self.device = device
-        self.seconds = dict.fromkeys(("refresh", "sample", "score", "logprob", "update"), 0.0)
+        self.seconds = dict.fromkeys(("sample", "score", "logprob", "update"), 0.0)
 
     @contextlib.contextmanager
     def __call__(self, phase: str):

@@ -12,6 +12,7 @@ docs/benchmarks.md measures what each lever saves.
 """
 
 import copy
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,15 +175,30 @@ def activation_bytes_per_token(config, checkpointing: bool) -> int:
     return 4 * h * layers + per_layer if checkpointing else per_layer * layers
 
 
+# Model -> {(N, length, checkpointing): the micro-batch chosen the first time}: the same on every step.
+_MICRO_BATCHES = weakref.WeakKeyDictionary()
+
+
 def auto_micro_batch(model, n: int, length: int, checkpointing: bool) -> int:
-    """The default --micro-batch: on CUDA `micro_batch_fitting` the device's free memory now; elsewhere N (on a CPU
-    memory is the host's, and the whole batch is what the shipped runs were made with)."""
+    """The default --micro-batch: on CUDA `micro_batch_fitting` the memory available the first time these shapes
+    are seen, remembered, so that every step of the same shapes splits the same way; elsewhere N (on a CPU memory
+    is the host's, and the whole batch is what the shipped runs were made with)."""
     device = next(model.parameters()).device
     config = getattr(model, "config", None)
     if device.type != "cuda" or not hasattr(config, "num_hidden_layers"):
         return n
+    chosen = _MICRO_BATCHES.setdefault(model, {})
+    key = (n, length, checkpointing)
+    if key not in chosen:
+        chosen[key] = micro_batch_fitting(config, n, length, checkpointing, available_bytes(device))
+    return chosen[key]
+
+
+def available_bytes(device) -> int:
+    """What a pass can allocate: the driver's free memory and what PyTorch's caching allocator holds unused. The
+    driver alone counts the cache as taken, so after a first step it would see less and size another way."""
     free, _ = torch.cuda.mem_get_info(device)
-    return micro_batch_fitting(config, n, length, checkpointing, free)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def micro_batch_fitting(config, n: int, length: int, checkpointing: bool, free_bytes: int, share: float = 0.5) -> int:

@@ -474,3 +474,32 @@ def test_the_default_micro_batch_is_the_largest_divisor_whose_activations_fit():
     assert micro_batch_fitting(qwen, 512, 384, False, free_bytes=10**6) == 1  # never 0
     # On a CPU the whole batch, as the shipped runs were made.
     assert auto_micro_batch(torch.nn.Linear(2, 2), 128, 40, False) == 128
+
+
+def test_the_default_micro_batch_counts_the_allocators_cache_and_stays_the_same_for_the_same_shapes(monkeypatch):
+    # On CUDA the driver counts PyTorch's cached blocks as taken: after a first step it reports less free memory,
+    # though the cache is free to reuse. The choice counts that cache, and is remembered per shape.
+    from types import SimpleNamespace
+
+    from engine import policy
+
+    class OnCuda:  # a model as auto_micro_batch reads one: its config, and parameters on a CUDA device
+        config = SimpleNamespace(hidden_size=896, intermediate_size=4864, num_hidden_layers=24)  # Qwen2.5-0.5B
+
+        def parameters(self):
+            return iter([SimpleNamespace(device=torch.device("cuda"))])
+
+    model = OnCuda()
+    driver = {"free": 100 * 10**9, "reserved": 0, "allocated": 0}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (driver["free"], 140 * 10**9))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: driver["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: driver["allocated"])
+    monkeypatch.setattr(policy, "_MICRO_BATCHES", {})
+    assert policy.available_bytes("cuda") == 100 * 10**9
+    first = policy.auto_micro_batch(model, 512, 384, False)
+    assert first == 64  # as the hand-computed case above, from 100 GB
+    driver.update(free=40 * 10**9, reserved=60 * 10**9, allocated=0)  # the first step's blocks, cached and unused
+    assert policy.available_bytes("cuda") == 100 * 10**9  # the cache counts as available
+    driver.update(free=10**9, reserved=0, allocated=0)  # whatever the memory reads later, the same shapes split alike
+    assert policy.auto_micro_batch(model, 512, 384, False) == first
+    assert policy.auto_micro_batch(model, 512, 128, False) != first  # another shape is sized afresh (from 1 GB)

@@ -10,7 +10,6 @@ import warnings
 
 import pytest
 import torch
-from test_staleness import corrected_loss
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import train
@@ -19,6 +18,7 @@ from config import Config, resolve
 from conftest import ROOT, needs
 from engine.chunked_logprobs import chunked_token_logprobs
 from objective import aggregation_total, surrogate
+from test_staleness import corrected_loss
 from test_train import make_batch
 from variants import corrections, reinforce
 from variants.corrections import correction_args, mis_keep_mask

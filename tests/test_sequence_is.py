@@ -26,10 +26,10 @@ import math
 
 import pytest
 import torch
-from test_staleness import corrected_loss
 
 from conftest import needs
 from objective import aggregation_total, surrogate
+from test_staleness import corrected_loss
 from variants.corrections import correction_args, mis_keep_mask, staleness_stats
 
 EPS_LO, EPS_HI, MAX_NEW = 0.2, 0.28, 7
