@@ -114,7 +114,11 @@ class Config:
         "training forward's numerics) or sampler (the log-probs the sampler recorded; no extra forward)",
         ["recompute", "sampler"],
     )
-    sample_rows: int = arg(512, "most rows (completions) per generate call when a refresh samples its cycle")
+    sample_rows: int | None = arg(
+        None,
+        "most rows (completions) per generate call when a refresh samples its cycle; default: on CUDA as many as "
+        "fit half the memory available (engine.policy.auto_sample_rows), elsewhere the whole cycle in one call",
+    )
     sampling: str = arg(
         "auto",
         "the sampler: plain (rollout.sample, the reference loop), fast (decoding.py's static KV cache, its decode "
@@ -545,7 +549,7 @@ def validate(cfg: Config) -> None:
         (cfg.warmup_steps >= 0, "--warmup-steps must be >= 0"),
         (cfg.save_every >= 0, "--save-every must be >= 0"),
         (cfg.keep_checkpoints >= 1, "--keep-checkpoints must be >= 1"),
-        (cfg.sample_rows >= 1, "--sample-rows must be >= 1"),
+        (cfg.sample_rows is None or cfg.sample_rows >= 1, "--sample-rows must be >= 1"),
         (cfg.lora_rank >= 0, "--lora-rank must be >= 0 (0 = full fine-tuning)"),
         (cfg.lora_alpha > 0, "--lora-alpha must be > 0"),
         (0 <= cfg.warmup_ratio < 1, "--warmup-ratio must be in [0, 1)"),

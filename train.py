@@ -74,7 +74,7 @@ from bookkeeping.run_io import RunWriter
 from config import Config, ConfigError, config_from_args, parse_args, validate
 from engine.chunked_logprobs import chunked_token_logprobs
 from engine.decoding import sampling_path, static_sampler
-from engine.policy import Models, auto_micro_batch, autocast, load_policy, make_models
+from engine.policy import Models, auto_micro_batch, auto_sample_rows, autocast, load_policy, make_models
 from objective import aggregation_total, policy_loss
 from problems.prompts import Draw, PromptStream, fit_to_context, load_problems, run_rewards, warn_of_overlap
 from problems.tasks import TaskError, prompt_record
@@ -182,12 +182,14 @@ def sample_cycle(cfg: Config, policy, tokenizer, start: int, draws: list, gen, t
     logits are not finite (a diverged policy).
     """
     policy.eval()
+    rows, length = sum(ids.shape[0] for ids, _, _ in draws) * cfg.group_size, max(ids.shape[1] for ids, _, _ in draws)
+    max_rows = cfg.sample_rows or auto_sample_rows(policy, rows, length + cfg.max_new_tokens)  # as few calls as fit
     with timer("sample"), autocast(cfg, draws[0][0].device):
         rollouts = generate_batches(
             policy,
             [(ids, mask) for ids, mask, _ in draws],
             group_size=cfg.group_size,
-            max_rows=cfg.sample_rows,
+            max_rows=max_rows,
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
             truncation=cfg.truncation,

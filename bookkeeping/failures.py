@@ -114,9 +114,9 @@ def where_the_run_stands(out: str, steps: int) -> str:
 def out_of_memory(cfg: Config, e: torch.OutOfMemoryError) -> str:
     """The line of a run that ran out of device memory: what ran out, the flags that bound it, where the run stands."""
     what = (str(e).strip().splitlines() or ["out of memory"])[0][:160]
-    mb = cfg.micro_batch or "auto"
+    mb, rows = cfg.micro_batch or "auto", cfg.sample_rows or "auto"
     levers = (
-        f"lower --micro-batch (now {mb}: sequences per forward/backward) or --sample-rows (now {cfg.sample_rows}: "
+        f"lower --micro-batch (now {mb}: sequences per forward/backward) or --sample-rows (now {rows}: "
         "rows per generate call), or add --gradient-checkpointing"
     )
     return f"out of memory ({what}); {levers}; {where_the_run_stands(cfg.out, cfg.steps)}"

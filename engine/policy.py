@@ -194,6 +194,28 @@ def auto_micro_batch(model, n: int, length: int, checkpointing: bool) -> int:
     return chosen[key]
 
 
+def auto_sample_rows(model, rows: int, length: int) -> int:
+    """The default --sample-rows for a cycle of `rows` completions of up to `length` tokens (prompt and completion):
+    on CUDA as many as `sample_rows_fitting` half the memory available, at most `rows`; elsewhere `rows`, the cycle
+    in one call ([A]'s point: a stale sampler batches the work of v steps at once)."""
+    device = next(model.parameters()).device
+    config = getattr(model, "config", None)
+    if device.type != "cuda" or not hasattr(config, "num_hidden_layers"):
+        return rows
+    return min(rows, sample_rows_fitting(config, length, available_bytes(device)))
+
+
+def sample_rows_fitting(config, length: int, free_bytes: int, share: float = 0.5) -> int:
+    """The rows whose sampling state fits `share` of `free_bytes`, at least 1. A row keeps its KV cache, 2 (K and V)
+    x layers x kv_heads x head_dim x `length` values in bfloat16, and its share of the sampling chain's float32
+    (N, V) tensors (the logits, log-probs, probabilities and the draw's: about 8 alive at once)."""
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    per_row = 2 * layers * kv_heads * head_dim * length * 2 + 8 * config.vocab_size * 4
+    return max(1, int(share * free_bytes) // per_row)
+
+
 def available_bytes(device) -> int:
     """What a pass can allocate: the driver's free memory and what PyTorch's caching allocator holds unused. The
     driver alone counts the cache as taken, so after a first step it would see less and size another way."""

@@ -503,3 +503,22 @@ def test_the_default_micro_batch_counts_the_allocators_cache_and_stays_the_same_
     driver.update(free=10**9, reserved=0, allocated=0)  # whatever the memory reads later, the same shapes split alike
     assert policy.auto_micro_batch(model, 512, 384, False) == first
     assert policy.auto_micro_batch(model, 512, 128, False) != first  # another shape is sized afresh (from 1 GB)
+
+
+def test_the_default_sample_rows_take_the_whole_cycle_where_it_fits():
+    # A stale sampler batches its cycle: on a CPU all v x B x G rows in one call; on CUDA as many as half the memory
+    # available holds. Qwen2.5-0.5B's shape, prompt 128 + 256 tokens: per row a KV cache of 2 x 24 x 2 x 64 x 384
+    # bfloat16 values (4.7 MB) and 8 float32 vocabulary rows (151936 x 4 x 8 = 4.9 MB), so 100 GB free holds
+    # 50e9 // 9,580,544 = 5218 rows: a v = 4 cycle of 64 x 8 x 4 = 2048 rows in one call.
+    from types import SimpleNamespace
+
+    from engine.policy import auto_sample_rows, sample_rows_fitting
+
+    qwen = SimpleNamespace(
+        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936
+    )
+    per_row = 2 * 24 * 2 * 64 * 384 * 2 + 8 * 151936 * 4
+    assert per_row == 9_580_544
+    assert sample_rows_fitting(qwen, 384, free_bytes=100 * 10**9) == 50 * 10**9 // per_row == 5218
+    assert sample_rows_fitting(qwen, 384, free_bytes=10**6) == 1  # never 0
+    assert auto_sample_rows(torch.nn.Linear(2, 2), 2048, 384) == 2048  # a CPU: the whole cycle

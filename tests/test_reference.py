@@ -50,7 +50,7 @@ def textbook_step(cfg: Config, policy, opt, ref, tokenizer, k: int, gen, cycle: 
             policy,
             [(ids, mask) for ids, mask, _ in draws],
             group_size=G,
-            max_rows=cfg.sample_rows,
+            max_rows=cfg.sample_rows or 10**9,  # the default on a CPU: the whole cycle in one call
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
             truncation=cfg.truncation,
