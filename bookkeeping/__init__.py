@@ -4,6 +4,7 @@ run_io.py       the run folder (--out): claiming it, config.json, metrics.jsonl,
                 final/, curves.png, TensorBoard and wandb
 checkpoint.py   atomic checkpoints: written to a temporary name, fsynced, renamed into place
 resume.py       what a checkpoint holds (`run_state`) and how a resume reads it back (`restore`)
+fingerprints.py what the run was trained on (each reward's source, each local data file), checked on resume
 metrics.py      a step's metrics row, the progress bar, the update's statistics, the phase timers
 evaluation.py   held-out evaluation, and the completions --log-completions shows
 failures.py     divergence, Ctrl-C and SIGTERM, out of memory: each ends in one line

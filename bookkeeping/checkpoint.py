@@ -11,8 +11,14 @@ Files: `<out>/checkpoints/step-00000050.pt`. Each is written to a temporary name
 folder and renamed into place, so a crash mid-write leaves no file with the final name; only
 names matching `step-*.pt` are ever loaded. Loading uses `torch.load(weights_only=True)`:
 no pickled code is ever executed.
+
+A write that fails (a full disk above all) removes its temporary file and raises one OSError naming the file
+(`write_error`), whichever layer noticed: torch.save's stream writer raises RuntimeError, safetensors an error of
+its own. The older checkpoints, and the previous final/, stay as they were; train.main prints the OSError as one
+line and exits 2.
 """
 
+import errno
 import os
 import random
 import re
@@ -61,9 +67,12 @@ def save_checkpoint(out: str, state: dict, step: int, keep: int) -> Path:
             os.fsync(f.fileno())  # the bytes are on disk before the name says "complete"
         os.chmod(tmp, umask_mode(0o666))
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        failed = write_error(e, path, "the checkpoint")  # before the unlink: a full disk is still full here
         Path(tmp).unlink(missing_ok=True)
-        raise
+        if failed is None:
+            raise
+        raise failed from None
     for old in sorted(p for p in d.glob("step-*.pt") if NAME.match(p.name))[:-keep]:
         old.unlink(missing_ok=True)
     return path
@@ -114,18 +123,70 @@ def set_rng_state(state: dict, gen: torch.Generator) -> None:
 
 
 def atomic_save_pretrained(model, tokenizer, path: Path) -> None:
-    """save_pretrained into a temporary folder, then swap it into `path`."""
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
-    os.chmod(tmp, umask_mode(0o777))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    for file in tmp.rglob("*"):  # some writers (safetensors) make their files 0600
-        os.chmod(file, umask_mode(0o777 if file.is_dir() else 0o666))
-    if path.exists():
-        old = path.with_name(f".{path.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
+    """save_pretrained into a temporary folder, then swap it into `path`. A write that fails removes the temporary
+    folder and raises one OSError naming `path` (`write_error`); a previous `path` stays as it was."""
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    except OSError as e:
+        raise write_error(e, path, "the final model") from None
+    try:
+        os.chmod(tmp, umask_mode(0o777))
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        for file in tmp.rglob("*"):  # some writers (safetensors) make their files 0600
+            os.chmod(file, umask_mode(0o777 if file.is_dir() else 0o666))
+        swap_into_place(tmp, path)
+    except BaseException as e:
+        failed = write_error(e, path, "the final model")
+        shutil.rmtree(tmp, ignore_errors=True)
+        if failed is None:
+            raise
+        raise failed from None
+
+
+def swap_into_place(tmp: Path, path: Path) -> None:
+    """Rename the folder `tmp` to `path`; a previous `path` goes, or comes back if the rename fails."""
+    if not path.exists():
         os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        return
+    old = path.with_name(f".{path.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(path, old)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        os.replace(old, path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+FULL_BELOW = 1 << 20  # bytes free: a write that failed with less than this left was a full disk
+
+
+def write_error(e: BaseException, path: Path, what: str) -> OSError | None:
+    """The OSError that names `path` for an error raised while writing it, or None when `e` is no write error (a
+    bug, Ctrl-C: raised as it is). A full disk reaches us as an OSError (Python's write), a RuntimeError
+    ("PytorchStreamWriter failed writing file ...": torch.save) or safetensors' SafetensorError; the errno is the
+    OSError's where there is one in the chain, else ENOSPC when the disk is full now, else EIO."""
+    if not isinstance(e, (OSError, RuntimeError)) and type(e).__name__ != "SafetensorError":
+        return None
+    cause, seen = e, set()
+    while cause is not None and not isinstance(cause, OSError) and id(cause) not in seen:
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    detail = ""
+    if isinstance(cause, OSError) and cause.errno:
+        code = cause.errno
     else:
-        os.replace(tmp, path)
+        code = errno.ENOSPC if disk_full(path.parent) else errno.EIO
+        text = str(e).strip()
+        detail = f" ({text.splitlines()[0][:160] if text else type(e).__name__})"
+    return OSError(code, f"writing {what} failed: {os.strerror(code)}{detail}", str(path))
+
+
+def disk_full(folder: Path) -> bool:
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < FULL_BELOW

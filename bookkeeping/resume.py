@@ -1,7 +1,8 @@
 """What a checkpoint holds, and a resume reads back: everything the next step reads, so that a resumed run
 continues bit for bit (checkpoint.py writes and reads the files atomically).
 
-    run_state   the policy, optimizer, pi_ref, generator, data position, the unfinished cycle and its scores
+    run_state   the policy, optimizer, pi_ref, generator, data position, the unfinished cycle and its scores, and
+                the start's held-out metrics, all of them, so that a resumed run's summary reads like one run's
     restore     the newest readable checkpoint back into the models, the generator and the prompt stream
 """
 
@@ -16,7 +17,7 @@ from bookkeeping.checkpoint import (
     rng_state,
     set_rng_state,
 )
-from bookkeeping.run_io import RunWriter
+from bookkeeping.run_io import RunWriter, to_json
 from config import Config, ConfigError
 from engine.policy import Models
 from problems.prompts import PromptStream
@@ -41,6 +42,10 @@ def run_state(
         "rng": rng_state(gen),
         "step": step,
         "data_position": stream.position,
+        # The start's held-out metrics, every one (with rewards of one's own eval_reward, eval_rewards/NAME, ...):
+        # the summary's *_start fields after a resume are the uninterrupted run's. The two keys before it are what
+        # checkpoints held before (`restore` reads either).
+        "eval_start": dict(start),
         "eval_accuracy_start": start.get("eval_accuracy"),
         "eval_pass1_start": start.get("eval_pass1"),
         "wall_s": wall,
@@ -52,7 +57,7 @@ def run_state(
                 "parts": sc.parts,
                 "total": sc.total,
                 "metrics": sc.metrics,
-                "extras": json.dumps(sc.extras, default=str),
+                "extras": to_json(sc.extras, default=str),
             }
             for k, sc in (scored or {}).items()
             if k >= step
@@ -91,9 +96,12 @@ def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunW
     # Steps after the checkpoint were logged by the run that died; they will be logged again.
     writer.truncate_metrics(ck["step"])
     writer.log(f"resumed from {path} at step {ck['step']}")
-    start = {"eval_accuracy": ck["eval_accuracy_start"], "eval_pass1": ck.get("eval_pass1_start")}
+    start = ck.get("eval_start")
+    if start is None:  # a checkpoint from before the whole start was kept: its two figures
+        old = {"eval_accuracy": ck.get("eval_accuracy_start"), "eval_pass1": ck.get("eval_pass1_start")}
+        start = {k: x for k, x in old.items() if x is not None}
     scored = {
         k: Scores(sc["parts"], sc["total"], sc["metrics"], json.loads(sc["extras"]))
         for k, sc in ck.get("scores", {}).items()
     }
-    return ck["step"], {k: x for k, x in start.items() if x is not None}, ck["wall_s"], cycle, scored
+    return ck["step"], start, ck["wall_s"], cycle, scored

@@ -16,13 +16,19 @@ rules. The files:
 Everything is written to a temporary name first and renamed into place, so a crash never
 leaves a half-written file that looks complete; the two .jsonl logs are appended a whole line per write and
 flushed, so a process killed (even with kill -9) leaves every line it wrote complete but possibly the last.
+Every JSON the run writes goes through `to_json`: a NaN or an infinity is written null, never as the `NaN` or
+`Infinity` tokens that are not JSON.
 A fresh run that stops before its first step (a bad model, bad data, a reward function that raises) leaves no run
-behind (`RunWriter.discard_if_unstarted`): the same command works again, without --overwrite.
+behind (`RunWriter.discard_if_unstarted`): the same command works again, without --overwrite; so does a start
+killed before its first step (kill -9), whose folder holds no checkpoint and no metrics row (`unstarted`).
+config.json also records what the run was trained on (bookkeeping/fingerprints.py), which a resume checks.
 """
 
+import configparser
 import contextlib
 import fcntl
 import json
+import math
 import os
 import resource
 import secrets
@@ -34,7 +40,8 @@ from pathlib import Path
 
 import torch
 
-from bookkeeping.checkpoint import atomic_save_pretrained, umask_mode
+from bookkeeping.checkpoint import atomic_save_pretrained, checkpoint_dir, checkpoints, umask_mode
+from bookkeeping.fingerprints import check_unchanged, fingerprints
 from config import Config, ConfigError
 
 LOCK = ".lock"  # holds the writer's pid; locked (flock) while it runs
@@ -52,38 +59,122 @@ RUN_FILES = (
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` via a temporary file and a rename; the file gets the user's umask."""
+    """Write `text` to `path` via a temporary file and a rename; the file gets the user's umask. A write that fails
+    (a full disk) removes the temporary file and raises an OSError naming `path`; the old file stays."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, umask_mode(0o666))  # mkstemp makes it 0600
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, umask_mode(0o666))  # mkstemp makes it 0600
+        os.replace(tmp, path)
+    except BaseException as e:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and not e.filename:  # a write to an open file names no file
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
+
+
+def json_safe(value, digits: int | None = None):
+    """`value` with every float that is not finite as None, inside dicts, lists and tuples too (JSON has no NaN
+    nor infinity: Python would write the tokens NaN and Infinity, which JSON readers refuse); floats rounded to
+    `digits` decimals when given."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return None
+        return value if digits is None else round(value, digits)
+    if isinstance(value, dict):
+        return {k: json_safe(v, digits) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v, digits) for v in value]
+    return value
+
+
+def to_json(value, *, digits: int | None = None, **kw) -> str:
+    """The one way the run writes JSON (config.json, metrics.jsonl, completions.jsonl, summary.json, a
+    checkpoint's JSON parts): `json_safe`, then allow_nan=False, so that a NaN that still slips through is an
+    error where it is made rather than a file that is not JSON."""
+    return json.dumps(json_safe(value, digits), allow_nan=False, **kw)
+
+
+def ours(name: str) -> bool:
+    """A name in the run folder that a run writes: its files and folders, our temporary names (`.NAME.xxxx`,
+    `.final.old`) and the lock. Anything else is the user's, never deleted (not even by --overwrite)."""
+    return name == LOCK or name in RUN_FILES or any(name.startswith(f".{run_file}.") for run_file in RUN_FILES)
+
+
+def foreign_files(out: Path) -> list[str]:
+    """The names in `out` that are not a run's: files a run does not write (sorted), after config.json when it
+    is not a run's (another program's: a model folder's)."""
+    names = sorted(p.name for p in out.iterdir())
+    foreign = [name for name in names if not ours(name)]
+    if "config.json" in names:
+        try:
+            config = json.loads((out / "config.json").read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            config = None
+        if not (isinstance(config, dict) and {"offpolicy_steps", "group_size"} <= config.keys()):
+            foreign.insert(0, "config.json")
+    return foreign
 
 
 def is_run(out: Path) -> bool:
     """True when the folder holds only what a run writes (and our temporary files), its config.json a run's."""
-    names = [p.name for p in out.iterdir() if p.name != LOCK]
-    if any(name not in RUN_FILES and not name.startswith(".") for name in names):
-        return False
+    return not foreign_files(out)
+
+
+def has_metrics_row(out: Path) -> bool:
+    """Whether metrics.jsonl holds one complete row: a step finished."""
     try:
-        config = json.loads((out / "config.json").read_text()) if (out / "config.json").exists() else {}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(config, dict) and (not config or {"offpolicy_steps", "group_size"} <= config.keys())
+        with open(out / "metrics.jsonl", errors="replace") as f:
+            for line in f:
+                with contextlib.suppress(json.JSONDecodeError):
+                    if isinstance(json.loads(line), dict):
+                        return True
+    except OSError:
+        pass
+    return False
+
+
+def unstarted(out: Path) -> bool:
+    """A run folder whose run never finished a step: no checkpoint, no metrics row, no final model (a start killed
+    before its first step, by kill -9 or a power cut, which `discard_if_unstarted` could not clean up). Nothing in
+    it can be resumed, so a new run takes it over (its own files only: `claim_run_folder`)."""
+    return not (checkpoints(str(out)) or has_metrics_row(out) or (out / "final").exists())
 
 
 def check_fresh(out: Path, overwrite: bool) -> None:
-    """A new run's folder must be absent, empty, or (with --overwrite) hold a run; raise ConfigError otherwise."""
-    if not out.is_dir():
+    """A new run's folder must be absent, empty, hold a run that never finished a step, or (with --overwrite) hold
+    a run; raise ConfigError otherwise, naming the files in the way."""
+    if not out.is_dir() or not [p for p in out.iterdir() if p.name != LOCK]:
         return
-    names = sorted(p.name for p in out.iterdir() if p.name != LOCK)
-    if not names:
+    foreign = foreign_files(out)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ConfigError(f"--out {out} holds files that are not a run's ({shown}): move them, or choose another --out")
+    if overwrite or unstarted(out):
         return
-    if not is_run(out):
-        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-        raise ConfigError(f"--out {out} holds files that are not a run's ({shown}): choose another folder")
-    if not overwrite:
-        raise ConfigError(f"--out {out} already holds a run: --resume continues it, --overwrite starts it over")
+    if not checkpoints(str(out)):
+        raise ConfigError(
+            f"--out {out} already holds a run, which saved no checkpoint to resume from (--save-every writes them): "
+            "--overwrite starts it over"
+        )
+    raise ConfigError(f"--out {out} already holds a run: --resume continues it, --overwrite starts it over")
+
+
+def check_resumable(out: Path) -> None:
+    """--resume needs a checkpoint; without one, a ConfigError that says what starts the run over (as check_fresh
+    says for a new run on the same folder)."""
+    if checkpoints(str(out)):
+        return
+    if unstarted(out):
+        raise ConfigError(
+            f"--resume: {out} holds a run that never finished a step (no checkpoint, no metrics row): nothing to "
+            "resume; its command without --resume starts it again in the same folder"
+        )
+    raise ConfigError(
+        f"--resume: no checkpoint in {checkpoint_dir(str(out))}: the run saved none (--save-every writes them); "
+        "--overwrite starts it over"
+    )
 
 
 def take_lock(out: Path):
@@ -110,7 +201,9 @@ def claim_run_folder(out: Path, resume: bool, overwrite: bool):
         raise ConfigError(f"--out {out} is a file, not a folder")
     if (out / LOCK).is_file():  # first: a run being written is "in use", whatever else the folder holds
         take_lock(out).close()
-    if not resume:
+    if resume:
+        check_resumable(out)  # before the model loads: restore() would only find this out after it
+    else:
         check_fresh(out, overwrite)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -123,9 +216,9 @@ def claim_run_folder(out: Path, resume: bool, overwrite: bool):
     lock.flush()
     if not resume:
         check_fresh(out, overwrite)  # again, now that no other process can write here
-        for name in os.listdir(out):  # --overwrite: the old run's files, and nothing else
+        for name in os.listdir(out):  # --overwrite, or a start that never finished a step: its files, nothing else
             path = out / name
-            if name in RUN_FILES or (name.startswith(".") and name != LOCK):
+            if ours(name) and name != LOCK:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
     return lock
 
@@ -178,8 +271,12 @@ class RunWriter:
 
     def _open(self, cfg: Config) -> None:
         previous = read_json(self.out / "config.json") if cfg.resume else {}
-        self._config, self._extra = asdict(cfg), {}
-        atomic_write_text(self.out / "config.json", json.dumps(self._config, indent=2) + "\n")
+        # What the run is trained on: recorded at the start, and a resume refuses a change (before any write).
+        found = fingerprints(cfg)
+        if cfg.resume:
+            check_unchanged(previous.get("fingerprints"), found, self.out / "config.json", self.log)
+        self._config, self._extra = asdict(cfg), {"fingerprints": found}
+        self._write_config()
         # A fresh run starts fresh logs; a resumed one appends (after truncate_metrics).
         self._metrics = open(self.out / "metrics.jsonl", "a" if cfg.resume else "w")
         if cfg.log_completions:
@@ -198,7 +295,10 @@ class RunWriter:
     def record(self, extra: dict) -> None:
         """Add entries to config.json beside the Config's fields (the prompts' template, the reward names, ...)."""
         self._extra.update(extra)
-        atomic_write_text(self.out / "config.json", json.dumps({**self._config, **self._extra}, indent=2) + "\n")
+        self._write_config()
+
+    def _write_config(self) -> None:
+        atomic_write_text(self.out / "config.json", to_json({**self._config, **self._extra}, indent=2) + "\n")
 
     def log(self, msg: str) -> None:
         from tqdm import tqdm
@@ -207,8 +307,7 @@ class RunWriter:
 
     def metrics(self, row: dict) -> None:
         self.started = True
-        self._metrics.write(json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()}) + "\n")
-        self._metrics.flush()
+        append(self._metrics, self.out / "metrics.jsonl", to_json(row, digits=6) + "\n")
         scalars = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float)) and v is not None}
         if self._tb is not None:
             for key, value in scalars.items():
@@ -221,9 +320,8 @@ class RunWriter:
         split and step, with wandb as a table."""
         if not rows or self._completions is None:
             return
-        data = "".join(json.dumps(rounded(r), default=str) + "\n" for r in rows).encode()
-        while data:  # a write to a regular file writes it all; the loop only guards against a short write
-            data = data[self._completions.write(data) :]
+        data = "".join(to_json(r, digits=6, default=str) + "\n" for r in rows).encode()
+        append(self._completions, self.out / "completions.jsonl", data)
         step, split = max(rows[0]["step"], 0), rows[0]["split"]
         if self._tb is not None:
             self._tb.add_text(f"completions/{split}", markdown_table(rows), step)
@@ -238,22 +336,37 @@ class RunWriter:
             self._wandb.log({f"completions/{split}": wandb.Table(columns=columns, data=data)}, step=step)
 
     def truncate_metrics(self, step: int) -> None:
-        """On resume: keep only the rows of steps before `step` (metrics.jsonl and completions.jsonl), so no step is
-        logged twice. A torn last line (the process died while writing it) is dropped with a notice; a bad line
-        before it is an error naming it."""
+        """On resume from the checkpoint after `step` steps: keep only what the run logged before it, so that
+        nothing is logged twice. metrics.jsonl keeps the rows of steps before `step`; completions.jsonl the rows
+        of those steps too, less the end evaluation's of a run that had ended there (step - 1, where the loop did
+        not evaluate: the resume evaluates the end again). A torn last line (the process died while writing it) is
+        dropped with a notice; a bad line before it is an error naming it."""
         self._metrics.close()
         path = self.out / "metrics.jsonl"
-        atomic_write_text(path, "".join(r + "\n" for r in self._rows_before(path, step)))
+        kept = self._rows_before(path, step, per_row=1)
+        atomic_write_text(path, "".join(to_json(row) + "\n" for row in kept))
         self._metrics = open(path, "a")
         path = self.out / "completions.jsonl"
-        if self._completions is not None and path.stat().st_size:
-            self._completions.close()
-            atomic_write_text(path, "".join(r + "\n" for r in self._rows_before(path, step)))
-            self._completions = open(path, "ab", buffering=0)
+        if path.is_file() and path.stat().st_size:
+            if self._completions is not None:
+                self._completions.close()
+            evaluated = {row["step"] for row in kept if "eval_accuracy" in row}  # where the loop evaluated
+            rows = [
+                row
+                for row in self._rows_before(path, step, per_row=0)
+                if not (row.get("split") == "eval" and row["step"] == step - 1 and step - 1 not in evaluated)
+            ]
+            atomic_write_text(path, "".join(to_json(row, default=str) + "\n" for row in rows))
+            if self._completions is not None:
+                self._completions = open(path, "ab", buffering=0)
 
-    def _rows_before(self, path: Path, step: int) -> list[str]:
+    def _rows_before(self, path: Path, step: int, per_row: int) -> list[dict]:
+        """The rows of `path` logged before step `step`. The run logs in step order, one metrics row a step
+        (`per_row` 1) or several completions (0), so the step of a row whose "step" is not an int (a file
+        written before a reward's metrics had a prefix of their own, where a function could log "step") is the
+        step after (1) or of (0) the row before it; each row is returned with that step."""
         lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-        rows = []
+        rows, last = [], -1  # the start's evaluation rows of completions.jsonl are step -1
         for i, line in enumerate(lines, start=1):
             try:
                 row = json.loads(line)
@@ -262,14 +375,18 @@ class RunWriter:
                     raise ConfigError(f"{path}:{i}: not valid JSON; the run's {path.name} is damaged") from None
                 self.log(f"{path}:{i}: dropped a torn last line (the run was stopped while writing it)")
                 continue
-            if row["step"] < step:
-                rows.append(line)
+            if not isinstance(row, dict):
+                raise ConfigError(f"{path}:{i}: not a JSON object; the run's {path.name} is damaged")
+            k = row.get("step")
+            last = k if isinstance(k, int) and not isinstance(k, bool) else last + per_row
+            if last < step:
+                rows.append({**row, "step": last})
         return rows
 
     def finish(self, model, tokenizer, summary: dict) -> None:
         self._close_logs()
         atomic_save_pretrained(model, tokenizer, self.out / "final")
-        atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+        atomic_write_text(self.out / "summary.json", to_json(summary, indent=2) + "\n")
         try:
             write_curves(self.out, summary)
         except ImportError:
@@ -279,7 +396,10 @@ class RunWriter:
     def _close_logs(self, exit_code: int = 0) -> None:
         for f in (self._metrics, self._completions):
             if f is not None:
-                f.close()
+                # Every line was flushed as it was written (`append`); what is left unflushed is the line whose write
+                # failed (a full disk), already raised with its file's name: closing must not raise it again.
+                with contextlib.suppress(OSError):
+                    f.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
@@ -310,13 +430,15 @@ class RunWriter:
         self._lock.close()
 
 
-def rounded(value):
-    """Floats to 6 decimals (metrics.jsonl's rounding), inside dicts too: a float32 reward 0.975 reads 0.975."""
-    if isinstance(value, float):
-        return round(value, 6)
-    if isinstance(value, dict):
-        return {k: rounded(v) for k, v in value.items()}
-    return value
+def append(f, path: Path, data) -> None:
+    """Append `data` (str or bytes) to the open log `f` in whole and flush it; an OSError names `path` (a write to
+    an open file names none, and a full disk must say which file it could not write)."""
+    try:
+        while data:  # a write to a regular file writes it all; the loop only guards against a short write
+            data = data[f.write(data) :]
+        f.flush()
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
 
 
 def read_json(path: Path) -> dict:
@@ -329,21 +451,69 @@ def read_json(path: Path) -> dict:
 
 def start_wandb(cfg: Config, out: Path, run_id: str | None):
     """A Weights & Biases run for --report-to wandb: project $WANDB_PROJECT (default offpolicy-grpo), named after
-    --out, its files in --out/wandb; a resumed run continues the same wandb run (its id is in config.json)."""
+    --out, its files in --out/wandb; a resumed run continues the same wandb run (its id is in config.json).
+
+    Online, wandb needs an API key: without one it would prompt for it (or, with no terminal, raise from deep
+    inside), so a run with no key and no offline mode stops here, before step 1, in one line that says how to go
+    on; so does any other failure of wandb.init (a bad key, no network)."""
     try:
         import wandb
     except ImportError:
         raise ConfigError("--report-to wandb: install the wandb package first (pip install -e '.[wandb]')") from None
+    if not wandb_offline() and not wandb_has_key(wandb):
+        raise ConfigError(
+            "--report-to wandb: no W&B API key: set WANDB_API_KEY, run `wandb login`, or log offline with "
+            "WANDB_MODE=offline (wandb sync uploads the run later)"
+        )
     (out / "wandb").mkdir(exist_ok=True)
-    return wandb.init(
-        project=os.environ.get("WANDB_PROJECT", "offpolicy-grpo"),
-        name=out.name,
-        id=run_id or "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8)),
-        resume="allow",
-        dir=str(out),
-        config=asdict(cfg),
-        settings=wandb.Settings(console="off"),
-    )
+    try:
+        return wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "offpolicy-grpo"),
+            name=out.name,
+            id=run_id or "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8)),
+            resume="allow",
+            dir=str(out),
+            config=asdict(cfg),
+            settings=wandb.Settings(console="off"),
+        )
+    except Exception as e:  # wandb's UsageError, CommError, AuthenticationError, ...: one line, exit 2
+        text = str(e).strip()
+        reason = text.splitlines()[0][:200] if text else type(e).__name__
+        raise ConfigError(
+            f"--report-to wandb: wandb.init failed ({type(e).__name__}: {reason}); WANDB_MODE=offline logs without "
+            "the server"
+        ) from None
+
+
+WANDB_OFFLINE = ("offline", "dryrun", "disabled")
+
+
+def wandb_offline() -> bool:
+    """Whether wandb runs without its server: WANDB_MODE (or WANDB_DISABLED), else the mode of wandb's settings
+    file ($WANDB_CONFIG_DIR/settings, ~/.config/wandb/settings: `wandb offline` writes it)."""
+    if os.environ.get("WANDB_DISABLED", "").lower() in ("true", "1", "yes"):
+        return True
+    mode = os.environ.get("WANDB_MODE")
+    if mode is None:
+        folder = os.environ.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb"
+        settings = configparser.ConfigParser()
+        with contextlib.suppress(configparser.Error, OSError, UnicodeDecodeError):
+            settings.read(Path(folder) / "settings")
+        mode = settings.get("default", "mode", fallback="")
+    return mode.strip().lower() in WANDB_OFFLINE
+
+
+def wandb_has_key(wandb) -> bool:
+    """Whether wandb finds an API key (WANDB_API_KEY, its settings, ~/.netrc), asked without a prompt and without
+    the network; a key it finds malformed is a ConfigError naming it."""
+    try:
+        return bool(wandb.login(prompt=False, verify=False))
+    except TypeError:  # an older wandb (no `prompt`): its own look-up, which does not prompt either
+        return bool(os.environ.get("WANDB_API_KEY") or getattr(wandb.api, "api_key", None))
+    except Exception as e:  # AuthenticationError: a key of the wrong form
+        text = str(e).strip()
+        reason = text.splitlines()[0][:200] if text else type(e).__name__
+        raise ConfigError(f"--report-to wandb: {reason}; set a valid WANDB_API_KEY, or WANDB_MODE=offline") from None
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -378,11 +548,12 @@ def write_curves(out: Path, summary: dict) -> Path:
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5), constrained_layout=True)
     for ax, (title, ylabel, keys) in zip(axes.flat, PANELS):
         for key in keys:
-            points = [(r["step"] + 1, r[key]) for r in rows if key in r]
+            points = [(r["step"] + 1, r[key]) for r in rows if r.get(key) is not None]  # null: not finite
             if key == "eval_accuracy":
                 # Evaluations run after a step; the start and end values come from summary.json.
                 start = [] if summary["eval_accuracy_start"] is None else [(0, summary["eval_accuracy_start"])]
-                points = [*start, *points, (summary["steps"], summary["eval_accuracy_end"])]
+                end = [] if summary["eval_accuracy_end"] is None else [(summary["steps"], summary["eval_accuracy_end"])]
+                points = [*start, *points, *end]
                 ax.plot(*zip(*points), marker="o", label=key)
             elif points:
                 ax.plot(*zip(*points), linewidth=0.8, label=key)
@@ -390,8 +561,10 @@ def write_curves(out: Path, summary: dict) -> Path:
         ax.grid(alpha=0.3)
         if len(keys) > 1 and ax.get_legend_handles_labels()[0]:  # no legend for a panel with no line (opmd: no clip)
             ax.legend(fontsize=8)
-    start = "?" if summary["eval_accuracy_start"] is None else f"{summary['eval_accuracy_start']:.3f}"
-    fig.suptitle(f"{out.name}: held-out accuracy {start} -> {summary['eval_accuracy_end']:.3f}")
+    start, end = (
+        f"{summary[k]:.3f}" if summary[k] is not None else "?" for k in ("eval_accuracy_start", "eval_accuracy_end")
+    )
+    fig.suptitle(f"{out.name}: held-out accuracy {start} -> {end}")
     path = out / "curves.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,6 +1,8 @@
 """Failure modes: exact resume after SIGKILL, one-line errors on bad input, non-finite steps."""
 
+import errno
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -11,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import train
-from bookkeeping.checkpoint import latest_checkpoint, save_checkpoint
+from bookkeeping.checkpoint import atomic_save_pretrained, latest_checkpoint, load_checkpoint, save_checkpoint
 from config import Config, resolve
 from conftest import ROOT, TEST_WARMUP
 
@@ -163,7 +165,7 @@ def test_bad_data_files_get_a_one_line_error(tmp_path, case, expect):
         (["--kl-estimator", "k4"], "--kl-estimator: unknown value"),
         (
             ["--model", "/no/such/model", "--task", "gsm8k", "--data-files", "DATA"],
-            "--model /no/such/model: cannot be loaded",
+            "--model /no/such/model: no such folder",
         ),
         (
             ["--model", "no-such-org/no-such-model", "--task", "gsm8k", "--data-files", "DATA"],
@@ -249,3 +251,100 @@ def assert_one_line_error_tail(r, expect, status=2):
     assert r.returncode == status, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: ") and expect in r.stderr.strip().splitlines()[-1]
+
+
+# --- issue 44: a write that fails (a full disk) keeps the newest good checkpoint and final/ -------------------------
+
+
+class FullDisk:
+    """os.statvfs of a disk with no block left (a write that failed there was a full disk)."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def __call__(self, path):
+        st = self.real(path)
+        return type("Full", (), {"f_bavail": 0, "f_frsize": st.f_frsize})()
+
+
+def failing_save(exc):
+    """torch.save that writes a first part of the file, then raises `exc`, as a disk that fills up mid-write."""
+
+    def save(obj, f, *a, **kw):
+        f.write(b"PK\x03\x04" + b"\x00" * 4096)
+        raise exc
+
+    return save
+
+
+STREAM = RuntimeError("[enforce fail at inline_container.cc:672] PytorchStreamWriter failed writing file data/3")
+
+
+@pytest.mark.parametrize(
+    "exc, full, code",
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), False, errno.ENOSPC),  # Python's write noticed
+        (STREAM, True, errno.ENOSPC),  # torch's stream writer noticed, and the disk is full
+        (STREAM, False, errno.EIO),  # a write that failed on a disk with room: not called a full disk
+        (OSError(errno.EDQUOT, "Disk quota exceeded"), False, errno.EDQUOT),
+    ],
+)
+def test_a_checkpoint_write_that_fails_is_an_oserror_naming_it_and_keeps_the_older_one(
+    tmp_path, monkeypatch, exc, full, code
+):
+    out = str(tmp_path)
+    good = save_checkpoint(out, {"step": 1, "w": torch.arange(3.0)}, 1, keep=2)
+    monkeypatch.setattr(torch, "save", failing_save(exc))
+    if full:
+        monkeypatch.setattr(os, "statvfs", FullDisk(os.statvfs))
+    with pytest.raises(OSError) as e:
+        save_checkpoint(out, {"step": 2}, 2, keep=1)
+    monkeypatch.undo()
+    assert e.value.errno == code and e.value.filename == str(tmp_path / "checkpoints" / "step-00000002.pt")
+    assert "writing the checkpoint failed" in str(e.value) and "\n" not in str(e.value)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000001.pt"]  # no temporary
+    assert latest_checkpoint(out) == good and torch.equal(load_checkpoint(good)["w"], torch.arange(3.0))
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt(), TypeError("cannot pickle 'generator' object")])
+def test_what_is_no_write_error_is_raised_as_it_is_and_leaves_no_temporary(tmp_path, monkeypatch, exc):
+    save_checkpoint(str(tmp_path), {"step": 1}, 1, keep=2)
+    monkeypatch.setattr(torch, "save", failing_save(exc))
+    with pytest.raises(type(exc)):
+        save_checkpoint(str(tmp_path), {"step": 2}, 2, keep=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000001.pt"]
+
+
+class SafetensorError(Exception):
+    """safetensors' own error type (by name: safetensors_rust.SafetensorError), which a full disk raises there."""
+
+
+class Writes:
+    def __init__(self, exc=None):
+        self.exc = exc
+
+    def save_pretrained(self, path):
+        (path / "model.safetensors").write_bytes(b"\x00" * 1000)  # a first part, then the disk is full
+        if self.exc is not None:
+            raise self.exc
+
+
+@pytest.mark.parametrize(
+    "exc, code",
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), errno.ENOSPC),
+        (RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed"), errno.ENOSPC),
+        (SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space'), 28),
+    ],
+)
+def test_a_final_model_write_that_fails_keeps_the_previous_one(tmp_path, monkeypatch, exc, code):
+    final = tmp_path / "final"
+    atomic_save_pretrained(Writes(), Writes(), final)
+    before = {p.name: p.read_bytes() for p in final.iterdir()}
+    monkeypatch.setattr(os, "statvfs", FullDisk(os.statvfs))
+    with pytest.raises(OSError) as e:
+        atomic_save_pretrained(Writes(exc), Writes(), final)
+    monkeypatch.undo()
+    assert e.value.errno == code and e.value.filename == str(final) and "writing the final model failed" in str(e.value)
+    assert {p.name: p.read_bytes() for p in final.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["final"]  # no temporary folder left beside it

@@ -5,6 +5,7 @@ Each case runs the command line (`train.main`) on the built-in tiny policy for a
 can, in a subprocess where it needs one (a real second process, real signals, a finished run to copy).
 """
 
+import errno
 import json
 import os
 import signal
@@ -410,3 +411,121 @@ def test_output_files_follow_the_users_umask(tmp_path, warm_cache, main):
 
 def test_absolute_keeps_none_and_expands_the_home_folder():
     assert config.absolute(None) is None and config.absolute("~/x") == str(Path.home() / "x")
+
+
+# --- issue 44: a full disk while saving, a start killed before step 1, what --overwrite names -----------------------
+
+
+def test_a_full_disk_while_saving_a_checkpoint_keeps_the_newest_good_one_and_resume_continues(
+    tmp_path, warm_cache, monkeypatch, main
+):
+    out = tmp_path / "run"
+    real_save, calls = torch.save, []
+
+    def save(obj, f, *a, **kw):  # the second checkpoint fills the disk halfway: torch's writer raises RuntimeError
+        calls.append(1)
+        if len(calls) == 2:
+            f.write(b"PK\x03\x04" + b"\x00" * 8192)
+            raise RuntimeError("[enforce fail at inline_container.cc:672] PytorchStreamWriter failed writing file")
+        return real_save(obj, f, *a, **kw)
+
+    class Full:  # and the disk has no room left when it does
+        def __init__(self, path):
+            self.f_bavail, self.f_frsize = 0, 4096
+
+    monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr(os, "statvfs", Full)
+    r = main(*tiny(warm_cache, out, 3, "--save-every", 1))
+    monkeypatch.undo()
+    line = one_line_error(r, 2, "[Errno 28]", "writing the checkpoint failed", "step-00000002.pt")
+    assert "2 of 3 steps done, newest checkpoint step-00000001.pt" in line and "--resume --out" in line
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000001.pt"]  # no half-written file
+    assert torch.load(out / "checkpoints" / "step-00000001.pt", weights_only=True)["step"] == 1
+    r = main("--resume", "--out", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "at step 1" in r.stdout + r.stderr and steps_logged(out) == [0, 1, 2] and (out / "final").is_dir()
+
+
+def test_a_full_disk_while_saving_the_final_model_keeps_the_checkpoints(tmp_path, warm_cache, monkeypatch, main):
+    from transformers import PreTrainedModel
+
+    def full(self, path, *a, **kw):
+        (Path(path) / "model.safetensors").write_bytes(b"\x00" * 4096)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full)
+    r = main(*tiny(warm_cache, out, 2, "--save-every", 2))
+    monkeypatch.undo()
+    one_line_error(r, 2, "[Errno 28]", "writing the final model failed", str(out / "final"), "newest checkpoint")
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith((".final", "final"))) == []  # no temporary
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000002.pt"]
+    r = main("--resume", "--out", out)  # the checkpoint is at the last step: the resume writes the end again
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (out / "final" / "model.safetensors").is_file() and steps_logged(out) == [0, 1]
+
+
+def killed_start(out: Path, *args) -> None:
+    """--out as a start killed (kill -9) after it claimed the folder and wrote config.json, before its first step:
+    RunWriter's files and lock as they are then, and nothing cleaned up."""
+    from bookkeeping.run_io import RunWriter
+
+    args_, given = config.parse_args([str(a) for a in args])
+    writer = RunWriter(config.config_from_args(args_, given))
+    writer.record({"reward_names": ["math"]})
+    for f in (writer._metrics, writer._completions, writer._lock):  # what the kernel closes when the process dies
+        if f is not None:
+            f.close()
+
+
+def test_a_start_killed_before_step_1_is_started_again_by_the_same_command(tmp_path, warm_cache, main):
+    out = tmp_path / "run"
+    cmd = tiny(warm_cache, out, 1, "--log-completions", 1)
+    killed_start(out, *cmd)
+    assert {"config.json", ".lock", "metrics.jsonl"} <= {p.name for p in out.iterdir()}
+    before = snapshot(out)
+    # --resume and a new run say the same: nothing to resume, the command without --resume starts it again.
+    line = one_line_error(main("--resume", "--out", out), 2, "never finished a step", "without --resume")
+    assert "no checkpoint" in line and snapshot(out) == before
+    r = main(*cmd)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert steps_logged(out) == [0] and (out / "final").is_dir()
+
+
+def test_a_killed_start_among_files_of_ones_own_is_refused_naming_them(tmp_path, warm_cache, main):
+    out = tmp_path / "run"
+    cmd = tiny(warm_cache, out, 1)
+    killed_start(out, *cmd)
+    (out / "notes.txt").write_text("mine")
+    before = snapshot(out)
+    line = one_line_error(main(*cmd), 2, "not a run's (notes.txt)")
+    assert "config.json" not in line and snapshot(out) == before
+
+
+def test_a_run_without_checkpoints_is_not_offered_to_resume(finished_run, tmp_path, warm_cache, main):
+    out = copy_run(finished_run, tmp_path / "run")
+    for ck in (out / "checkpoints").iterdir():  # a run without --save-every: steps logged, nothing to resume from
+        ck.unlink()
+    before = snapshot(out)
+    line = one_line_error(main(*tiny(warm_cache, out, 2)), 2, "saved no checkpoint", "--overwrite starts it over")
+    assert "--resume continues" not in line
+    one_line_error(main("--resume", "--out", out), 2, "the run saved none", "--overwrite starts it over")
+    assert snapshot(out) == before
+    r = main(*tiny(warm_cache, out, 1, "--overwrite"))
+    assert r.returncode == 0 and steps_logged(out) == [0], r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_a_refused_folder_names_the_files_in_the_way_and_no_others(finished_run, tmp_path, warm_cache, main, overwrite):
+    out = copy_run(finished_run, tmp_path / "run")
+    write(out / "notes.txt", "mine")
+    write(out / ".env", "SECRET=1")  # a hidden file of one's own is no temporary file of the run's
+    before = snapshot(out)
+    line = one_line_error(main(*tiny(warm_cache, out, 1, *overwrite)), 2, "not a run's (.env, notes.txt)")
+    assert not any(name in line for name in ("config.json", "metrics.jsonl", "checkpoints", "summary.json", "final"))
+    assert snapshot(out) == before
+    # Six of one's own: five named, the rest counted.
+    for i in range(4):
+        write(out / f"mine{i}.txt", "x")
+    line = one_line_error(main(*tiny(warm_cache, out, 1, *overwrite)), 2, "and 1 more")
+    assert ".env, mine0.txt, mine1.txt, mine2.txt, mine3.txt and 1 more" in line

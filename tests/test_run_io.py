@@ -68,3 +68,151 @@ def test_report_to_tensorboard_without_the_package_is_a_one_line_error(tmp_path,
     monkeypatch.setattr(builtins, "__import__", no_tensorboard)
     with pytest.raises(ConfigError, match="--report-to tensorboard"):
         run_io.RunWriter(resolve(Config(out=str(tmp_path), report_to="tensorboard")))
+
+
+# --- issue 44: no NaN or Infinity token in any file the run writes ------------------------------------------------
+
+NAN, INF = float("nan"), float("inf")
+
+
+def strict_json(text: str):
+    """json.loads that refuses NaN, Infinity and -Infinity, as every JSON reader but Python's does."""
+    return json.loads(text, parse_constant=lambda token: pytest.fail(f"{token} in a file the run wrote"))
+
+
+class Saves:
+    """A model or tokenizer whose save_pretrained writes one file (RunWriter.finish without a model)."""
+
+    def save_pretrained(self, path):
+        (path / f"{type(self).__name__}.bin").write_bytes(b"x")
+
+
+def test_no_file_the_run_writes_holds_nan_or_infinity(tmp_path):
+    out = tmp_path / "run"
+    writer = run_io.RunWriter(resolve(Config(out=str(out), log_completions=2)))
+    nested = {"a": [NAN, 1.5, {"b": -INF}], "c": (INF, 2), "d": {"e": {"f": NAN}}}
+    writer.record({"odd": nested, "fine": 0.25})
+    writer.metrics({"step": 0, "reward": NAN, "kl": INF, "loss": -INF, "entropy": 0.1234567, **nested})
+    writer.completions([{"split": "train", "step": 0, "row": 0, "reward": NAN, "rewards": {"f": INF}, "x": [-INF]}])
+    summary = {"eval_accuracy_start": NAN, "eval_accuracy_end": 0.5, "steps": 1, "eval_rewards/f_end": INF, **nested}
+    writer.finish(Saves(), Saves(), summary)
+    written = {p.name: p.read_text() for p in out.iterdir() if p.suffix in (".json", ".jsonl")}
+    assert set(written) == {"config.json", "metrics.jsonl", "completions.jsonl", "summary.json"}
+    for name, text in written.items():
+        assert "NaN" not in text and "Infinity" not in text, name
+        for line in text.splitlines() if name.endswith(".jsonl") else [text]:
+            strict_json(line)
+    # Each non-finite value is null where it was, dicts, lists and tuples alike; finite ones are kept (rounded to 6
+    # decimals in the logs only).
+    expect = {"a": [None, 1.5, {"b": None}], "c": [None, 2], "d": {"e": {"f": None}}}
+    assert strict_json(written["config.json"])["odd"] == expect and strict_json(written["config.json"])["fine"] == 0.25
+    row = strict_json(written["metrics.jsonl"])
+    assert row["reward"] is row["kl"] is row["loss"] is None and row["entropy"] == 0.123457
+    assert {k: row[k] for k in expect} == expect
+    line = strict_json(written["completions.jsonl"])
+    assert line["reward"] is None and line["rewards"] == {"f": None} and line["x"] == [None]
+    saved = strict_json(written["summary.json"])
+    assert (
+        saved["eval_accuracy_start"] is None
+        and saved["eval_rewards/f_end"] is None
+        and saved["eval_accuracy_end"] == 0.5
+    )
+    assert {k: saved[k] for k in expect} == expect
+
+
+def test_a_nan_that_slips_past_the_mapping_is_an_error_not_a_file():
+    # default= turns an unknown object into a float here: json_safe never saw it, allow_nan=False refuses it.
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        run_io.to_json({"x": object()}, default=lambda o: NAN)
+    assert run_io.to_json([NAN, {"y": (INF, -INF)}, 1e308 * 10]) == '[null, {"y": [null, null]}, null]'
+    assert run_io.to_json(True) == "true" and run_io.to_json({"n": 10**30}) == '{"n": 1000000000000000000000000000000}'
+
+
+# --- issue 44: --report-to wandb with no API key and no offline mode ----------------------------------------------
+
+
+@pytest.fixture
+def no_wandb_key(tmp_path, monkeypatch):
+    """An environment where wandb finds no API key and no offline mode, and cannot prompt: no key, no netrc, no
+    settings file; wandb.init fails the test if called (it would prompt or go to the network)."""
+    wandb = needs("wandb", "wandb")
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DISABLED", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("NETRC", str(tmp_path / "home" / ".netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
+    monkeypatch.setattr(wandb, "init", lambda *a, **kw: pytest.fail("wandb.init called without a key"))
+    return wandb
+
+
+def test_report_to_wandb_without_a_key_or_offline_mode_is_one_line_before_anything(tmp_path, no_wandb_key):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError) as e:
+        run_io.RunWriter(resolve(Config(out=str(out), report_to="tensorboard,wandb")))
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("--report-to wandb: no W&B API key")
+    assert all(fix in line for fix in ("WANDB_API_KEY", "`wandb login`", "WANDB_MODE=offline"))
+    assert not out.exists()  # a start that failed leaves no run
+
+
+def test_report_to_wandb_through_the_cli_is_exit_2_and_one_line(tmp_path, no_wandb_key, capsys, warm_cache):
+    import train
+
+    out = tmp_path / "run"
+    args = ["--steps", "1", "--eval-size", "4", "--cache-dir", warm_cache, "--out", str(out), "--no-progress"]
+    assert train.main([*args, "--report-to", "wandb"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "--report-to wandb" in err[0] and "WANDB_MODE=offline" in err[0], err
+    assert not out.exists()
+
+
+def test_offline_modes_need_no_key_and_a_malformed_key_is_named(tmp_path, no_wandb_key, monkeypatch):
+    assert not run_io.wandb_offline()
+    for mode in ("offline", "dryrun", "disabled", "OFFLINE"):
+        monkeypatch.setenv("WANDB_MODE", mode)
+        assert run_io.wandb_offline(), mode
+    monkeypatch.setenv("WANDB_MODE", "online")
+    assert not run_io.wandb_offline()
+    monkeypatch.delenv("WANDB_MODE")
+    (tmp_path / "wandb-config").mkdir()
+    (tmp_path / "wandb-config" / "settings").write_text("[default]\nmode = offline\n")  # what `wandb offline` writes
+    assert run_io.wandb_offline()
+    (tmp_path / "wandb-config" / "settings").write_text("not an ini file\x00")
+    assert not run_io.wandb_offline()
+    monkeypatch.setenv("WANDB_API_KEY", "abc")  # too short to be a key: wandb says so, without the network
+    with pytest.raises(ConfigError, match="--report-to wandb: .*WANDB_API_KEY"):
+        run_io.RunWriter(resolve(Config(out=str(tmp_path / "run"), report_to="wandb")))
+
+
+# --- issue 44: a full disk while writing config.json, summary.json or a log line names the file --------------------
+
+
+def test_a_full_disk_while_writing_a_file_names_it_and_keeps_the_old_one(tmp_path, monkeypatch):
+    import errno
+    import os
+    import tempfile
+
+    path = tmp_path / "config.json"
+    path.write_text('{"old": 1}\n')
+    real = tempfile.mkstemp
+
+    def on_a_full_disk(dir, prefix):  # the temporary file is real, its writes go to /dev/full
+        fd, name = real(dir=dir, prefix=prefix)
+        os.dup2(os.open("/dev/full", os.O_WRONLY), fd)
+        return fd, name
+
+    monkeypatch.setattr(tempfile, "mkstemp", on_a_full_disk)
+    with pytest.raises(OSError) as e:
+        run_io.atomic_write_text(path, "x" * 100_000)
+    monkeypatch.undo()
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"] and path.read_text() == '{"old": 1}\n'
+
+    writer = run_io.RunWriter(resolve(Config(out=str(tmp_path / "run"))))
+    writer._metrics.close()
+    writer._metrics = open("/dev/full", "w")
+    with pytest.raises(OSError) as e:
+        writer.metrics({"step": 0, "reward": 0.5})
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / "run" / "metrics.jsonl")
+    writer.close()
