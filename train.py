@@ -78,7 +78,7 @@ from engine.policy import Models, auto_micro_batch, auto_sample_rows, autocast, 
 from objective import aggregation_total, policy_loss
 from problems.prompts import Draw, PromptStream, fit_to_context, load_problems, run_rewards, warn_of_overlap
 from problems.tasks import TaskError, prompt_record
-from problems.user_rewards import RewardError, Rewards
+from problems.user_rewards import RewardError
 from rollout import Cycle, Rollout, Sampled, end_ids, generate_batches, sample
 from variants.corrections import correction_args, mis_keep_mask, staleness_stats
 from variants.reinforce import opmd_loss, rec_loss
@@ -438,123 +438,115 @@ def lr_at(cfg: Config, k: int) -> float:
 
 
 def train(cfg: Config) -> dict:
-    """Run GRPO as configured; returns the summary (also written to --out/summary.json)."""
+    """Run GRPO as configured, top to bottom: the settings, the setup, resume or the first evaluation, the loop with
+    the step in it, the end. Returns the summary (also written to --out/summary.json)."""
     # ---- the settings: the flags, the seeds, the rewards and the data (bad input fails here, before any write) ----
     validate(cfg)
     set_seed(cfg.seed)  # Python's, numpy's and torch's generators, as TRL seeds them (a reward may use any)
     rewards = run_rewards(cfg)
     train_set, heldout = load_problems(cfg, rewards)
-    writer = RunWriter(cfg)  # claims --out: refuses a folder holding another run, or one another process writes
-    try:
-        return run(cfg, writer, train_set, heldout, rewards)
-    except BaseException:
-        writer.discard_if_unstarted()  # a start that fails before its first step leaves --out unclaimed
-        raise
-    finally:
-        writer.close()  # the folder is free again, however the run ended
+    # --out, claimed: a folder holding another run, or one another process writes, is refused
+    with RunWriter(cfg) as writer:
+        # ---- the setup: the policy, its optimizer and pi_ref; the prompts that fit; the sampling generator ----
+        device = torch.device(cfg.device)
+        warn_of_overlap(train_set, heldout, log=writer.log)
+        policy, tokenizer = load_policy(cfg, log=writer.log)  # the built-in tiny policy, or a transformers causal LM
+        train_set, heldout = fit_to_context(cfg, policy, tokenizer, train_set, heldout, log=writer.log)
+        models = make_models(cfg, policy.to(cfg.device))
+        writer.record({"reward_names": rewards.names, **prompt_record(tokenizer, train_set[0])})
+        v = cfg.offpolicy_steps
+        schedule = (
+            f"every {v} steps, the next {v} batches at once (log alpha: {cfg.alpha_logp_from})"
+            if v > 1
+            else "every step"
+        )
+        writer.log(f"sampling path: {sampling_path(models.policy, cfg.fast)}; the policy samples {schedule}")
+        gen = torch.Generator(device=device).manual_seed(cfg.seed)  # the sampling generator
+        stream = PromptStream(train_set, cfg.seed)
+        draw = Draw(cfg, tokenizer, stream, rewards, device)  # the prompts of a refresh's steps, and their scorers
 
+        def evaluate(at_step: int) -> dict:  # held-out metrics after step at_step (-1: before training)
+            return evaluation(cfg, models.policy, tokenizer, heldout, device, rewards, at_step, writer, sampler(cfg))
 
-def run(cfg: Config, writer: RunWriter, train_set: list, heldout: list, rewards: Rewards | None = None) -> dict:
-    """The run itself, in its claimed folder: the setup, resume or the first evaluation, the loop, the end."""
-    # ---- the setup: the policy, its optimizer and pi_ref; the prompts that fit; the sampling generator ----
-    device = torch.device(cfg.device)
-    rewards = rewards or run_rewards(cfg)
-    warn_of_overlap(train_set, heldout, log=writer.log)
-    policy, tokenizer = load_policy(cfg, log=writer.log)  # the built-in tiny policy, or a transformers causal LM
-    train_set, heldout = fit_to_context(cfg, policy, tokenizer, train_set, heldout, log=writer.log)
-    models = make_models(cfg, policy.to(cfg.device))
-    writer.record({"reward_names": rewards.names, **prompt_record(tokenizer, train_set[0])})
-    v = cfg.offpolicy_steps
-    schedule = (
-        f"every {v} steps, the next {v} batches at once (log alpha: {cfg.alpha_logp_from})" if v > 1 else "every step"
-    )
-    writer.log(f"sampling path: {sampling_path(models.policy, cfg.fast)}; the policy samples {schedule}")
-    gen = torch.Generator(device=device).manual_seed(cfg.seed)  # the sampling generator
-    stream = PromptStream(train_set, cfg.seed)
-    draw = Draw(cfg, tokenizer, stream, rewards, device)  # the prompts of a refresh's steps, and their scorers
+        # ---- resume, or evaluate the starting policy (no random number of the sampling generator is drawn) ----
+        # A resumed run keeps its wall clock and its start's held-out metrics, so its summary reads like one run's.
+        start_step, wall_before, cycle, start = 0, 0.0, None, {}
+        if cfg.resume:
+            start_step, start, wall_before, cycle, draw.scored = restore(cfg, models, gen, stream, writer)
+        t0 = time.time() - wall_before
+        if not cfg.resume and cfg.eval_start:
+            start = evaluate(-1)
+        if start:
+            writer.log(eval_line(cfg, start, len(heldout)))
 
-    def evaluate(at_step: int) -> dict:  # held-out metrics after step at_step (-1: before training)
-        return evaluation(cfg, models.policy, tokenizer, heldout, device, rewards, at_step, writer, sampler(cfg))
+        def checkpoint(done: int) -> None:  # the run after `done` steps, written atomically; Ctrl-C waits for it
+            check_finite_weights(models.policy, f"step {done - 1}")
+            state = run_state(models, gen, stream, cycle, done, start, time.time() - t0, draw.scored)
+            with signals_wait():
+                save_checkpoint(cfg.out, state, done, cfg.keep_checkpoints)
 
-    # ---- resume, or evaluate the starting policy (no random number of the sampling generator is drawn) ----
-    # A resumed run keeps its wall clock and its start's held-out metrics, so its summary reads like one run's.
-    start_step, wall_before, cycle, start = 0, 0.0, None, {}
-    if cfg.resume:
-        start_step, start, wall_before, cycle, draw.scored = restore(cfg, models, gen, stream, writer)
-    t0 = time.time() - wall_before
-    if not cfg.resume and cfg.eval_start:
-        start = evaluate(-1)
-    if start:
-        writer.log(eval_line(cfg, start, len(heldout)))
-
-    def checkpoint(done: int) -> None:  # the run after `done` steps, written atomically; Ctrl-C waits for it
-        check_finite_weights(models.policy, f"step {done - 1}")
-        state = run_state(models, gen, stream, cycle, done, start, time.time() - t0, draw.scored)
-        with signals_wait():
-            save_checkpoint(cfg.out, state, done, cfg.keep_checkpoints)
-
-    # ---- the loop: step k of Algorithm 1, its metrics row, held-out evaluation, the divergence guard, checkpoints ----
-    nonfinite = []  # the steps whose update was skipped as not finite (stop_if_diverged)
-    bar = tqdm(
-        range(start_step, cfg.steps),
-        desc="grpo",
-        dynamic_ncols=True,
-        disable=not cfg.progress,
-        initial=start_step,
-        total=cfg.steps,
-    )
-    for k in bar:
-        t_step = time.time()
-        for group in models.opt.param_groups:  # --lr-scheduler: a function of the step
-            group["lr"] = lr_at(cfg, k)
-        before = rng_state(gen), stream.position
-        try:
-            res, cycle = grpo_step(cfg, models, tokenizer, k, gen, cycle, draw)
-        except FloatingPointError:  # the sampler's logits are not finite: a diverged policy, a non-finite step
-            writer.metrics({"step": k, "wall_s": time.time() - t0, "nonfinite_updates": 1, "nonfinite_logits": 1})
-            nonfinite.append(k)
-            stop_if_diverged(nonfinite, k)
-            continue
-        except RewardError:  # a reward failed at step k's refresh, before any update: --resume redoes step k
-            if k > 0:
-                set_rng_state(before[0], gen)
-                stream.position = before[1]
-                checkpoint(k)
-            raise
-        row = metrics_row(k, res, cfg.group_size, time.time() - t0, time.time() - t_step, device)
-        scores = draw.scored.pop(k, None)
-        row.update(lr=lr_at(cfg, k), **reward_metrics(scores, rewards.names))
-        if cfg.log_completions:
-            writer.completions(logged_rows(cfg, tokenizer, k, res, scores, rewards.names))
-        if cfg.eval_every and (k + 1) % cfg.eval_every == 0 and k + 1 < cfg.steps:
+        # ---- the loop: step k of Algorithm 1, its metrics row, held-out evaluation, divergence guard, checkpoints ----
+        nonfinite = []  # the steps whose update was skipped as not finite (stop_if_diverged)
+        bar = tqdm(
+            range(start_step, cfg.steps),
+            desc="grpo",
+            dynamic_ncols=True,
+            disable=not cfg.progress,
+            initial=start_step,
+            total=cfg.steps,
+        )
+        for k in bar:
+            t_step = time.time()
+            for group in models.opt.param_groups:  # --lr-scheduler: a function of the step
+                group["lr"] = lr_at(cfg, k)
+            before = rng_state(gen), stream.position
             try:
-                row.update(evaluate(k))
-            except RewardError:  # a reward failed on the held-out set after step k's update: resume after step k
-                writer.metrics(row)
-                checkpoint(k + 1)
+                res, cycle = grpo_step(cfg, models, tokenizer, k, gen, cycle, draw)
+            except FloatingPointError:  # the sampler's logits are not finite: a diverged policy, a non-finite step
+                writer.metrics({"step": k, "wall_s": time.time() - t0, "nonfinite_updates": 1, "nonfinite_logits": 1})
+                nonfinite.append(k)
+                stop_if_diverged(nonfinite, k)
+                continue
+            except RewardError:  # a reward failed at step k's refresh, before any update: --resume redoes step k
+                if k > 0:
+                    set_rng_state(before[0], gen)
+                    stream.position = before[1]
+                    checkpoint(k)
                 raise
-        writer.metrics(row)
-        show(bar, row)
-        if res.stats.get("nonfinite_updates"):
-            nonfinite.append(k)
-        stop_if_diverged(nonfinite, k)
-        # No checkpoint of a non-finite step, nor of weights that are not finite: the newest one stays a good one.
-        if cfg.save_every and (k + 1) % cfg.save_every == 0 and k not in nonfinite:
-            checkpoint(k + 1)
+            row = metrics_row(k, res, cfg.group_size, time.time() - t0, time.time() - t_step, device)
+            scores = draw.scored.pop(k, None)
+            row.update(lr=lr_at(cfg, k), **reward_metrics(scores, rewards.names))
+            if cfg.log_completions:
+                writer.completions(logged_rows(cfg, tokenizer, k, res, scores, rewards.names))
+            if cfg.eval_every and (k + 1) % cfg.eval_every == 0 and k + 1 < cfg.steps:
+                try:
+                    row.update(evaluate(k))
+                except RewardError:  # a reward failed on the held-out set after step k's update: resume after step k
+                    writer.metrics(row)
+                    checkpoint(k + 1)
+                    raise
+            writer.metrics(row)
+            show(bar, row)
+            if res.stats.get("nonfinite_updates"):
+                nonfinite.append(k)
+            stop_if_diverged(nonfinite, k)
+            # No checkpoint of a non-finite step, nor of weights that are not finite: the newest one stays a good one.
+            if cfg.save_every and (k + 1) % cfg.save_every == 0 and k not in nonfinite:
+                checkpoint(k + 1)
 
-    # ---- the end: held-out accuracy, summary.json, final/ and curves.png ----
-    check_finite_weights(models.policy, "the end of the run")
-    try:
-        end = evaluate(cfg.steps - 1)
-    except RewardError:  # a reward failed on the held-out set: every step is done, --resume redoes the end
-        checkpoint(cfg.steps)
-        raise
-    summary = {f"{key}_{when}": m.get(key) for key in end for when, m in (("start", start), ("end", end))}
-    summary.update(steps=cfg.steps, wall_s=time.time() - t0, eval_size=len(heldout), out=str(writer.out))
-    writer.log(eval_line(cfg, end, len(heldout), start=start))
-    with signals_wait():
-        writer.finish(models.policy, tokenizer, summary)
-    return summary
+        # ---- the end: held-out accuracy, summary.json, final/ and curves.png ----
+        check_finite_weights(models.policy, "the end of the run")
+        try:
+            end = evaluate(cfg.steps - 1)
+        except RewardError:  # a reward failed on the held-out set: every step is done, --resume redoes the end
+            checkpoint(cfg.steps)
+            raise
+        summary = {f"{key}_{when}": m.get(key) for key in end for when, m in (("start", start), ("end", end))}
+        summary.update(steps=cfg.steps, wall_s=time.time() - t0, eval_size=len(heldout), out=str(writer.out))
+        writer.log(eval_line(cfg, end, len(heldout), start=start))
+        with signals_wait():
+            writer.finish(models.policy, tokenizer, summary)
+        return summary
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -406,6 +406,18 @@ class RunWriter:
             self._wandb.finish(exit_code=exit_code)
             self._wandb = None
 
+    def __enter__(self) -> "RunWriter":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        """However the run ends the folder is free again (`close`); a start that fails before its first step
+        leaves --out unclaimed (`discard_if_unstarted`)."""
+        try:
+            if error is not None:
+                self.discard_if_unstarted()
+        finally:
+            self.close()
+
     def discard_if_unstarted(self) -> None:
         """A fresh run that has not finished a step yet (nothing to resume) leaves no run behind: its files go,
         and so does --out if this run made it; the same command then works again without --overwrite."""
