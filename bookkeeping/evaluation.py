@@ -18,7 +18,7 @@ from problems.prompts import completion_texts, run_rewards, score_rows
 from problems.tasks import Problem, encode_prompts
 from problems.user_rewards import BUILTIN, LOGGED, Rewards, RewardState, Scores, mean
 from reward import math_reward
-from rollout import Rollout, generate
+from rollout import Rollout, end_ids, generate
 
 
 @torch.no_grad()
@@ -53,7 +53,7 @@ def evaluate(
     model.eval()
     correct, parts = 0.0, []
     # The same `generate` as training, so evaluation also exercises the sampling path the run uses.
-    special = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    special = dict(eos_token_id=end_ids(model, tokenizer), pad_token_id=tokenizer.pad_token_id)  # every end id
     sampling = dict(temperature=temperature, truncation=truncation, generator=generator, sampler=sampler)
     per_call = max(1, batch_size // samples)  # problems per generate call: at most batch_size rows
     for s in range(0, len(problems), per_call):

@@ -442,3 +442,18 @@ def test_every_end_id_of_the_generation_config_ends_a_row_on_both_paths(ending_m
         for row, (n, trunc) in zip(ro.completion_ids.tolist(), expected):
             assert trunc or row[n - 1] in (tok.eos_token_id, three)
             assert row[n:] == [tok.pad_token_id] * (len(row) - n)
+
+
+def test_held_out_evaluation_ends_rows_on_every_end_id(ending_model, tok):
+    # The same two end ids in bookkeeping.evaluation.evaluate: "12+3=" goes = -> 1 -> EOS, "6*2" goes 2 -> 3 and ends.
+    import copy
+
+    from bookkeeping.evaluation import evaluate
+
+    model = copy.deepcopy(ending_model)
+    model.generation_config.eos_token_id = [tok.eos_token_id, tok.convert_tokens_to_ids("3")]
+    seen = []
+    evaluate(
+        model, tok, [Problem("6*2", "0"), Problem("98-4", "0")], 8, "cpu", lambda text, gold: seen.append(text) or 0.0
+    )
+    assert seen == ["3", "56"]  # 2 -> 3 (an end, kept); 4 -> 5 -> 6 -> EOS (dropped from the text)
