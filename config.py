@@ -110,8 +110,9 @@ class Config:
     )
     alpha_logp_from: str = arg(
         "recompute",
-        "log alpha of a cycle's later batches: recompute (a no-grad forward of pi_theta at the refresh, the "
-        "training forward's numerics) or sampler (the log-probs the sampler recorded; no extra forward)",
+        "log alpha: recompute (the refresh step's batch: pi_k's own forward, alpha = pi_k; the cycle's later "
+        "batches: a no-grad forward of pi_theta at the refresh, the training forward's numerics) or sampler (the "
+        "log-probs the sampler recorded, for every batch, the refresh step's too; no extra forward)",
         ["recompute", "sampler"],
     )
     sample_rows: int | None = arg(

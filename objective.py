@@ -7,7 +7,8 @@ rho = rho' lies inside its interval [rho' - eps, rho' + eps], the clip does not 
     grad loss = - (1 / |T|) sum_{(i, t) in T} rho'_it A_i grad log pi_theta(y_it),   rho' = pi_k / alpha,
 
 a rho'-weighted REINFORCE step over the tokens T of the groups with signal; on-policy (v = 1) rho' = 1 and it is
-the group-baseline policy gradient. The clip acts from the second inner step on, or with --clip-center alpha.
+the group-baseline policy gradient. The clip acts from the second inner step on, or with --clip-center alpha
+on a stale batch.
 
 The log-probs of the sampled completion tokens, each (N, T), named as in docs/design.md, "Notation":
     logp        log pi_theta   the policy being trained (the only one with a gradient)
@@ -66,7 +67,7 @@ def policy_loss(
             = w_t min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A)      clip_center="decoupled" (AReaL)
         rho_t = pi_theta(y_t) / alpha(y_t) (with grad),   rho'_t = pi_k(y_t) / alpha(y_t) (a constant)
         r_t = pi_theta(y_t) / pi_k(y_t) = rho_t / rho'_t (with grad)
-        [lo_t, hi_t] = [max(rho'_t - eps_low, 0), rho'_t + eps_high]   clip_center="pi_k"   ([A]'s f_eps)
+        [lo_t, hi_t] = [max(rho'_t - eps_low, 0), rho'_t + eps_high]   clip_center="pi_k"   ([A]'s f_eps; max: dev. 2)
                      = [1 - eps_low, 1 + eps_high]                     clip_center="alpha"  (PPO)
         w_t = `weight` (a constant: TIS passes min(rho^L, C)), rho'_t when None; 0 on a token keep drops
         K = the tokens of loss_mask that `keep` keeps (MIS), all of them when None: a dropped token leaves the sum

@@ -19,7 +19,7 @@ Deviations from common practice:
      tokens' log-probs and entropies, and treats EOS uniformly.
   2. A group's G rows share their prompt: it runs once per group, and its KV cache is fanned out to the G rows.
   3. `generate` runs the loop it is given: `sample`, the reference, by default; the loop passes decoding.py's
-     static-KV-cache sampler on CUDA (--sampling, train.sampler), tested equal (tests/test_fastpath.py). Both take
+     static-KV-cache sampler on CUDA (--sampling, train.sampling_loop), tested equal (tests/test_fastpath.py). Both take
      their tokens from `next_token`, so the math after the logits is written once; the static loop passes its own
      draw (the exponential race) and checks less often, each check being a host sync. This file
      imports only torch, transformers' DynamicCache and logprobs.py: the reference sampler copies with them.

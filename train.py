@@ -11,8 +11,8 @@ prompts a step (--prompts-per-step), G completions a prompt (--group-size), N = 
   3. score each with the reward: reward.py's verifier, or reward functions of your own (problems/user_rewards.py);
   4. group-relative advantages within the step's own groups; a group whose rewards are all equal leaves the loss
      (advantage.group_advantages);
-  5. log-probs (logprobs.py): log alpha came with the batch, log pi_ref is computed here when beta > 0, log pi_k is
-     the update's first forward;
+  5. log-probs (logprobs.py): log alpha came with the batch (at a refresh, with --alpha-logp-from recompute, it is
+     pi_k's), log pi_ref is computed here when beta > 0, log pi_k is the update's first forward;
   6. mu optimizer steps on [A]'s clipped surrogate with its KL term (`update`, objective.policy_loss).
 
 The stale policy is a batch, not a model: between two refreshes alpha does not change, so drawing its v batches
@@ -20,8 +20,8 @@ at the refresh is drawing them from the frozen alpha later, and alpha never exis
 weights. The cycle's batches live in a `rollout.Cycle`, which checkpoints hold: a run killed mid-cycle resumes bit
 for bit.
 
-Two optimisations, each chosen in one line and tested equal to its textbook form: `logprobs` (engine/
-chunked_logprobs.py, logprobs.token_logprobs without the N x T x V logits) and `sampler` (engine/decoding.py, a
+Two optimisations, each chosen in one line and tested equal to its textbook form: `completion_logprobs` (engine/
+chunked_logprobs.py, logprobs.token_logprobs without the N x T x V logits) and `sampling_loop` (engine/decoding.py, a
 static KV cache, rollout.sample's loop). Micro-batches are a loop around the same loss (`update`); bfloat16 is an
 autocast context. The options -- [B]'s losses, other engines' staleness corrections, RED, the null control -- hang
 off one place, "The options" below: `advantages_of` and `loss_of`.
@@ -157,8 +157,8 @@ def grpo_step(
             alpha_logp=sampled.alpha_logp,
         )
 
-    # 5. log-probs: log alpha came with the batch (sample_cycle), log pi_k is the update's first forward (update);
-    # here log pi_ref, a constant, the KL term's reference
+    # 5. log-probs: log alpha came with the batch (sample_cycle; None at a refresh: alpha = pi_k), log pi_k is the
+    # update's first forward (update); here log pi_ref, a constant, the KL term's reference
     with timer("logprob"):
         ref_logp = ref_logprobs(cfg, models, ro, k)  # (N, T), None without a KL term
 
@@ -168,7 +168,7 @@ def grpo_step(
             stats, pi_k_logp = update(cfg, models.policy, models.opt, batch, ref_logp)
         else:  # every group had equal rewards: no optimizer step
             stats, pi_k_logp = {"nonfinite_updates": 0, "skipped_no_signal": 1}, None
-        stats.update(sampler_mismatch(cfg, models.policy, batch, ro, refresh, pi_k_logp))
+        stats |= sampler_mismatch(cfg, models.policy, batch, ro, refresh, pi_k_logp)
     return StepResult(refresh, ro, rewards, batch, stats, timer.seconds), cycle
 
 
@@ -197,7 +197,7 @@ def sample_cycle(cfg: Config, policy, tokenizer, start: int, draws: list, gen, t
             pad_token_id=tokenizer.pad_token_id,
             generator=gen,
             ignore_eos=ignore_eos,
-            sampler=sampler(cfg),
+            sampler=sampling_loop(cfg),
         )
     with timer("score"):
         rewards = [reward_fn(ro) for ro, (_, _, reward_fn) in zip(rollouts, draws)]  # (N,) each
@@ -209,7 +209,7 @@ def sample_cycle(cfg: Config, policy, tokenizer, start: int, draws: list, gen, t
             elif j == 0:
                 alpha_logp = None  # alpha = pi_k: the update's first forward gives log alpha
             else:
-                alpha_logp = logprobs(cfg, policy, ro)  # (N, T)
+                alpha_logp = completion_logprobs(cfg, policy, ro)  # (N, T)
             batches.append(Sampled(ro, r, alpha_logp))
     return Cycle(start, batches)
 
@@ -238,7 +238,7 @@ def update(cfg: Config, policy, opt, batch: Batch, ref_logp) -> tuple[dict, torc
         for rows in micro_batches:
             if i > 0 and loss_mask[rows].sum() == 0:
                 continue  # no token in the loss here: zero gradient (the first inner step runs it all for log pi_k)
-            logp = logprobs(cfg, policy, batch, rows)  # (mb, T) log pi_theta, with grad
+            logp = completion_logprobs(cfg, policy, batch, rows)  # (mb, T) log pi_theta, with grad
             # The micro-batch's rows of log pi_k, log alpha and log pi_ref, each (mb, T):
             pi_k_logp_mb = logp.detach() if pi_k_logp is None else pi_k_logp[rows]  # pi_theta is pi_k until a step
             alpha_logp_mb = pi_k_logp_mb if batch.alpha_logp is None else batch.alpha_logp[rows]  # None: a refresh
@@ -264,7 +264,7 @@ def update(cfg: Config, policy, opt, batch: Batch, ref_logp) -> tuple[dict, torc
     return stats.result(mismatch) | {"micro_batch": mb}, pi_k_logp
 
 
-def logprobs(cfg: Config, model, seq, rows=slice(None)) -> torch.Tensor:
+def completion_logprobs(cfg: Config, model, seq, rows=slice(None)) -> torch.Tensor:
     """log pi (n, T) of the completions of `seq` (a Batch or a Rollout; its rows `rows`) under `model`, with grad
     when grad is enabled, under the run's autocast. The one choice of log-prob function: chunked_token_logprobs is
     logprobs.token_logprobs without the (N, T, V) logits (tests/test_rollout.py, tests/test_gpu_path.py)."""
@@ -287,7 +287,7 @@ def evaluating(model):
         model.train(was_training)
 
 
-def sampler(cfg: Config) -> Callable[..., dict]:
+def sampling_loop(cfg: Config) -> Callable[..., dict]:
     """The one choice of sampling loop (--sampling): rollout.sample, the reference, or engine/decoding.py's static
     KV cache (a CUDA graph on a GPU) where it applies, tested equal (tests/test_fastpath.py)."""
     return sample if cfg.sampling == "plain" else static_sampler(cfg.fast)
@@ -303,7 +303,7 @@ def ref_logprobs(cfg: Config, models: Models, ro: Rollout, k: int) -> torch.Tens
     ref = models.ref if models.ref is not None else models.policy
     adapter_off = models.policy.disable_adapter() if models.ref is None else contextlib.nullcontext()
     with evaluating(ref), adapter_off:
-        return logprobs(cfg, ref, ro)
+        return completion_logprobs(cfg, ref, ro)
 
 
 def sampler_mismatch(cfg: Config, policy, batch: Batch, ro: Rollout, refresh: bool, pi_k_logp) -> dict:
@@ -314,7 +314,7 @@ def sampler_mismatch(cfg: Config, policy, batch: Batch, ro: Rollout, refresh: bo
     if refresh:
         if pi_k_logp is None:
             with evaluating(policy):
-                pi_k_logp = logprobs(cfg, policy, batch)  # (N, T)
+                pi_k_logp = completion_logprobs(cfg, policy, batch)  # (N, T)
         forward = pi_k_logp
     elif cfg.alpha_logp_from == "recompute":
         forward = batch.alpha_logp
@@ -358,6 +358,7 @@ def loss_of(cfg: Config, logp, alpha_logp, pi_k_logp, ref_logp, advantages, loss
     another engine's staleness correction enters as the arguments it changes (variants/corrections.py); or, with
     --loss, one of [B]'s losses (variants/reinforce.py)."""
     if cfg.loss == "grpo":
+        # correction_args gives TIS's weight and MIS's kept tokens: both None (the plain surrogate) by default.
         return policy_loss(
             logp,
             alpha_logp,
@@ -414,7 +415,7 @@ def mis_prepass(cfg: Config, policy, batch: Batch, micro_batches: list[slice]) -
     normaliser over the tokens MIS keeps. It drops tokens by rho' = pi_k / alpha, and the dropped ones leave the
     normaliser, so every micro-batch needs pi_k of the whole step before the first one."""
     with evaluating(policy):
-        pi_k_logp = torch.cat([logprobs(cfg, policy, batch, rows) for rows in micro_batches])  # (N, T)
+        pi_k_logp = torch.cat([completion_logprobs(cfg, policy, batch, rows) for rows in micro_batches])  # (N, T)
     keep = mis_keep_mask(batch.alpha_logp, pi_k_logp, cfg.is_mask, loss_mask=batch.loss_mask, is_level=cfg.is_level)
     return pi_k_logp, aggregation_total(batch.loss_mask * keep, cfg.agg, cfg.max_new_tokens)
 
@@ -434,7 +435,7 @@ def lr_at(cfg: Config, k: int) -> float:
     if cfg.lr_scheduler == "linear":
         return cfg.lr * max(0.0, float(cfg.steps - k) / float(max(1, cfg.steps - warmup)))
     progress = float(k - warmup) / float(max(1, cfg.steps - warmup))
-    return cfg.lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
+    return cfg.lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 def train(cfg: Config) -> dict:
@@ -466,7 +467,8 @@ def train(cfg: Config) -> dict:
         draw = Draw(cfg, tokenizer, stream, rewards, device)  # the prompts of a refresh's steps, and their scorers
 
         def evaluate(at_step: int) -> dict:  # held-out metrics after step at_step (-1: before training)
-            return evaluation(cfg, models.policy, tokenizer, heldout, device, rewards, at_step, writer, sampler(cfg))
+            loop = sampling_loop(cfg)  # the sampling loop training uses
+            return evaluation(cfg, models.policy, tokenizer, heldout, device, rewards, at_step, writer, loop)
 
         # ---- resume, or evaluate the starting policy (no random number of the sampling generator is drawn) ----
         # A resumed run keeps its wall clock and its start's held-out metrics, so its summary reads like one run's.

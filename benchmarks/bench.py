@@ -9,7 +9,7 @@ The timed step is train.py's own, `train.grpo_step`; its phases are the ones it 
     sample   at a refresh, rollout.generate_batches of the cycle's v batches (the path is printed: plain or
              static-cache+cuda-graph); 0 at the other steps
     score    the reward function at a refresh (here: decode to text, synthetic rewards); advantages
-    logprob  train.logprobs without grad: log alpha of the cycle at a refresh (--alpha-logp-from
+    logprob  train.completion_logprobs without grad: log alpha of the cycle at a refresh (--alpha-logp-from
              recompute), pi_ref when --beta > 0 (and its --ref-refresh copy)
     update   train.update: forward, backward and the AdamW step, micro-batched
 With v > 1 the steps of a cycle differ (the refresh does the sampling), so the figure to compare is the mean

@@ -102,7 +102,7 @@ def evaluation(
     (`own_rewards`) also the mean weighted reward (eval_reward), each function's mean (eval_rewards/NAME),
     eval_reward_none_frac and what they logged (eval_logged/NAME); the greedy completions go to completions.jsonl
     with --log-completions (`at_step`: the steps done, less one). `sampler`: the run's sampling loop
-    (train.sampler), run under training's autocast."""
+    (train.sampling_loop), run under training's autocast."""
     reward = rewards or run_rewards(cfg)
     scores, rows = [], [] if writer is not None and cfg.log_completions else None
     kw = dict(state=RewardState(at_step + 1, cfg.steps), scores_out=scores, rows_out=rows, sampler=sampler)

@@ -472,7 +472,8 @@ def start_wandb(cfg: Config, out: Path, run_id: str | None):
         import wandb
     except ImportError:
         raise ConfigError("--report-to wandb: install the wandb package first (pip install -e '.[wandb]')") from None
-    if not wandb_offline() and not wandb_has_key(wandb):
+    offline = wandb_offline()
+    if not offline and not wandb_has_key(wandb):
         raise ConfigError(
             "--report-to wandb: no W&B API key: set WANDB_API_KEY, run `wandb login`, or log offline with "
             "WANDB_MODE=offline (wandb sync uploads the run later)"
@@ -487,6 +488,11 @@ def start_wandb(cfg: Config, out: Path, run_id: str | None):
             dir=str(out),
             config=asdict(cfg),
             settings=wandb.Settings(console="off"),
+            # The mode read here, given explicitly: wandb keeps settings from an earlier call in the process (the
+            # key check's login), which could otherwise override WANDB_MODE.
+            mode=("disabled" if os.environ.get("WANDB_MODE", "").lower() == "disabled" else "offline")
+            if offline
+            else None,
         )
     except Exception as e:  # wandb's UsageError, CommError, AuthenticationError, ...: one line, exit 2
         text = str(e).strip()

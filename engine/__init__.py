@@ -3,6 +3,6 @@
 policy.py            loading the policy (tiny, a GGUF file, any transformers causal LM), fitting it in memory
                      (bfloat16, gradient checkpointing, LoRA, micro-batch size), its optimizer, autocast
 tiny.py              the built-in 1M-parameter policy and its tokenizer (its weights ship in tiny_policy/)
-chunked_logprobs.py  logprobs.token_logprobs without the N x T x V logits (train.logprobs)
-decoding.py          rollout.sample's loop on a static KV cache, a CUDA graph on a GPU (train.sampler)
+chunked_logprobs.py  logprobs.token_logprobs without the N x T x V logits (train.completion_logprobs)
+decoding.py          rollout.sample's loop on a static KV cache, a CUDA graph on a GPU (train.sampling_loop)
 """

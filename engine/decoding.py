@@ -1,6 +1,6 @@
 """The fast sampling path of `rollout.generate` on CUDA: an optimisation beside `rollout.sample`, the reference.
 
-    static_sampler       what the loop passes as `generate(sampler=...)` (train.sampler): `sample_static` where it
+    static_sampler       what the loop passes as `generate(sampler=...)` (train.sampling_loop): `sample_static` where it
                          applies, else rollout.sample; a failed graph capture samples again on rollout.sample
     sample_static        rollout.sample's loop on a static KV cache, around the same step (rollout.next_token);
                          on CUDA the decode step's forward is captured once as a CUDA graph and replayed, so it

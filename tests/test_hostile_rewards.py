@@ -192,7 +192,8 @@ def test_a_base_exception_at_import_is_a_reward_error(tmp_path, monkeypatch, cod
     (tmp_path / "exits.py").write_text(code + "def f(completions, **kw):\n    return [0.0] * len(completions)\n")
     name = f"exits_mod_{abs(hash(code))}"
     (tmp_path / f"{name}.py").write_text((tmp_path / "exits.py").read_text())
-    for spec, what in [("exits.py:f", "exits.py"), (f"{name}:f", name)]:
+    # A module beside the working directory is imported as its file (user_rewards.import_module): named by its path.
+    for spec, what in [("exits.py:f", "exits.py"), (f"{name}:f", f"{name}.py")]:
         with pytest.raises(RewardError) as e:
             load_reward(spec)
         msg = str(e.value)

@@ -48,7 +48,7 @@ def test_concept_files_import_only_torch_or_the_standard_library(name, allowed):
 
 
 def test_the_reference_sampler_copies_with_logprobs_alone():
-    # rollout.py takes the fast loop as an argument (train.sampler chooses it): it imports no other project file.
+    # rollout.py takes the fast loop as an argument (train.sampling_loop chooses it): it imports no other project file.
     project = {p.stem for p in ROOT.glob("*.py")}
     assert {m.split(".")[0] for m, _ in imports("rollout.py")} & project == {"logprobs"}
 
