@@ -181,10 +181,10 @@ def surrogate(
 def penalised_loss(
     objective, logp, ref_logp, loss_mask, beta, kl_estimator, agg, max_new_tokens, total, kl_weight=None
 ):
-    """The end of every clipped policy loss: - agg_t [ o_t - beta w_t kl_t ] over loss_mask's tokens, and w_t kl_t
-    (N, T) (zeros without a KL term). w = kl_weight: rho = pi_theta / alpha with its gradient (TRL's
-    use_bias_correction_kl, DeepSeek-V3.2's unbiased KL), so that on alpha's samples w kl estimates
-    E_alpha[rho k] = E_pi_theta[k] = KL(pi_theta || pi_ref) for k1 and k3; None: w = 1."""
+    """The end of every clipped policy loss: - agg_t [ o_t - beta rho_t kl_t ] over loss_mask's tokens (rho_t = 1
+    unless kl_weight), and the KL term's rho_t kl_t (N, T) (zeros without a KL term). kl_weight: rho = pi_theta /
+    alpha with its gradient (TRL's use_bias_correction_kl, DeepSeek-V3.2's unbiased KL), so that on alpha's samples
+    rho kl estimates E_alpha[rho k] = E_pi_theta[k] = KL(pi_theta || pi_ref) for k1 and k3; None: no weight."""
     kl = torch.zeros_like(objective)  # (N, T)
     if ref_logp is not None and beta != 0.0:
         kl = kl_penalty(logp, ref_logp, kl_estimator)  # (N, T)
