@@ -67,7 +67,7 @@ def show(bar, row: dict) -> None:
         acc=f"{row['accuracy']:.2f}",
         kl=f"{row.get('kl', 0):.3f}",
         clip=f"{row.get('clip_low', 0) + row.get('clip_high', 0):.3f}",
-        rho=f"{row.get('rho_prime_max', 1):.2f}",
+        rho_prime_max=f"{row.get('rho_prime_max', 1):.2f}",  # rho' = pi_k / alpha, not rho
         tok_s=f"{row['tokens_per_s']:.0f}",
     )
 
