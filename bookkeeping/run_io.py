@@ -5,7 +5,7 @@ is not a run, before it writes anything; one process at a time writes a run (`cl
 folder, released by the operating system when the process ends however it ends). docs/failure-modes.md has the
 rules. The files:
     config.json     the resolved Config, and how the prompts were written (`record`: prompt_template, ...)
-    metrics.jsonl   one JSON object per step (README: "Metrics")
+    metrics.jsonl   one JSON object per step (docs/metrics.md)
     completions.jsonl  with --log-completions N: N sampled completions a step and the held-out ones, a JSON
                     object each (prompt, completion, rewards, advantage), appended and flushed like metrics.jsonl
     final/          the trained policy and tokenizer, `save_pretrained` format
