@@ -182,8 +182,9 @@ def sample_cycle(cfg: Config, policy, tokenizer, start: int, draws: list, gen, t
     logits are not finite (a diverged policy).
     """
     policy.eval()
-    rows, length = sum(ids.shape[0] for ids, _, _ in draws) * cfg.group_size, max(ids.shape[1] for ids, _, _ in draws)
-    max_rows = cfg.sample_rows or auto_sample_rows(policy, rows, length + cfg.max_new_tokens)  # as few calls as fit
+    rows = sum(ids.shape[0] for ids, _, _ in draws) * cfg.group_size  # the cycle's completions
+    longest = max(ids.shape[1] for ids, _, _ in draws) + cfg.max_new_tokens  # a row's prompt and completion
+    max_rows = cfg.sample_rows or auto_sample_rows(policy, rows, longest)  # as few calls as memory allows
     with timer("sample"), autocast(cfg, draws[0][0].device):
         rollouts = generate_batches(
             policy,
@@ -234,7 +235,7 @@ def update(cfg: Config, policy, opt, batch: Batch, ref_logp) -> tuple[dict, torc
     stats = StepStats()
     for i in range(cfg.inner_steps):
         opt.zero_grad(set_to_none=True)
-        first = []  # log pi_k of each micro-batch, recorded by the first inner step
+        pi_k_parts = []  # log pi_k of each micro-batch, recorded by the first inner step
         for rows in micro_batches:
             if i > 0 and loss_mask[rows].sum() == 0:
                 continue  # no token in the loss here: zero gradient (the first inner step runs it all for log pi_k)
@@ -248,9 +249,9 @@ def update(cfg: Config, policy, opt, batch: Batch, ref_logp) -> tuple[dict, torc
             )
             loss.backward()
             stats.add(loss, st)
-            first.append(pi_k_logp_mb)
+            pi_k_parts.append(pi_k_logp_mb)
         if pi_k_logp is None:
-            pi_k_logp = torch.cat(first)  # (N, T)
+            pi_k_logp = torch.cat(pi_k_parts)  # (N, T)
         norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
         if torch.isfinite(norm):
             opt.step()
@@ -258,10 +259,10 @@ def update(cfg: Config, policy, opt, batch: Batch, ref_logp) -> tuple[dict, torc
     # rho' = pi_k / alpha does not depend on pi_theta: its quantiles, max and the TIS / MIS fractions are the whole
     # step's, exact whatever the micro-batching.
     alpha_logp = pi_k_logp if batch.alpha_logp is None else batch.alpha_logp
-    mismatch = staleness_stats(
+    staleness = staleness_stats(
         alpha_logp, pi_k_logp, loss_mask, is_cap=cfg.is_cap, is_mask=cfg.is_mask, is_level=cfg.is_level
     )
-    return stats.result(mismatch) | {"micro_batch": mb}, pi_k_logp
+    return stats.result(staleness) | {"micro_batch": mb}, pi_k_logp
 
 
 def completion_logprobs(cfg: Config, model, seq, rows=slice(None)) -> torch.Tensor:

@@ -116,10 +116,10 @@ class StepStats:
         self.grad_norms.append(grad_norm.item())
         self.skipped += 0 if torch.isfinite(grad_norm) else 1
 
-    def result(self, mismatch: dict) -> dict:
-        """The averages, then `mismatch` (the whole step's rho' figures), the loss, grad_norm, nonfinite_updates."""
+    def result(self, staleness: dict) -> dict:
+        """The averages, then `staleness` (the whole step's rho' figures), the loss, grad_norm, nonfinite_updates."""
         out = {k: v / max(self.tokens, 1.0) for k, v in self.sums.items()}
-        out.update(mismatch)
+        out.update(staleness)
         n = len(self.grad_norms)
         out.update(loss=self.loss / n, grad_norm=sum(self.grad_norms) / n, nonfinite_updates=self.skipped)
         return out
