@@ -83,13 +83,16 @@ def sampling_logits(
     the top token is in every kept set."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (..., V)
     if temperature <= 0:
-        return z / 1.0
-    return truncate(z / temperature, truncation, targets)
+        return z
+    # z / 1 is z: no pass over the vocabulary for the default temperature.
+    return truncate(z if temperature == 1 else z / temperature, truncation, targets)
 
 
-def entropy_of(logp_all: torch.Tensor) -> torch.Tensor:
-    """-sum_y p(y) log p(y) over the last dim; a token outside the kept set (log p = -inf) adds 0, not 0 x -inf."""
-    return -(logp_all.exp() * logp_all.clamp(min=torch.finfo(logp_all.dtype).min)).sum(dim=-1)
+def entropy_of(logp_all: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+    """-sum_y p(y) log p(y) over the last dim, p = exp(logp_all) (`probs`, where the caller has it already). A token
+    outside the kept set has p = 0 and log p = -inf: 0 x -inf is NaN, which nansum counts as the 0 it is."""
+    probs = logp_all.exp() if probs is None else probs
+    return -(probs * logp_all).nansum(dim=-1)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -205,16 +205,14 @@ def next_token(
     ids) is kept, and ends its row unless ignore_eos. check_finite=False leaves the check for non-finite logits
     to the caller (whose draw must then take them without failing: decoding.sample_static checks its log-probs
     once, after the loop)."""
-    logits = logits.float()  # (N, V)
     # A diverged policy (train.py counts it as a non-finite step), before multinomial fails on it.
     if check_finite and not torch.isfinite(logits).all():
         raise FloatingPointError("generate: the sampler's logits are not finite")
+    # Float32 from here on: log alpha(y_t) is the IS ratio's denominator (--alpha-logp-from sampler).
     logp_all = torch.log_softmax(sampling_logits(logits, temperature, truncation), dim=-1)  # (N, V) log alpha
-    if temperature > 0:
-        nxt = draw(logp_all.exp(), generator)  # (N,) a token outside the kept set has p = 0
-    else:
-        nxt = logits.argmax(dim=-1)  # (N,)
-    entropy = entropy_of(logp_all)  # (N,)
+    probs = logp_all.exp()  # (N, V) alpha; a token outside the kept set has p = 0
+    nxt = draw(probs, generator) if temperature > 0 else logits.argmax(dim=-1)  # (N,)
+    entropy = entropy_of(logp_all, probs)  # (N,)
     nxt = torch.where(alive, nxt, torch.full_like(nxt, pad_token_id))  # (N,) pad after EOS
     logp = torch.where(alive, logp_all.gather(1, nxt.unsqueeze(1)).squeeze(1), torch.zeros_like(entropy))  # (N,)
     entropy = torch.where(alive, entropy, torch.zeros_like(entropy))  # (N,)

@@ -39,7 +39,7 @@ class SelectedLogProb(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk):
             logits = F.linear(hidden[s : s + chunk], weight, bias)  # (c, V)
             compute = logits.dtype
-            z = truncate(logits.to(acc) / temperature, truncation, targets[s : s + chunk])  # (c, V)
+            z = truncate(scaled(logits, temperature, acc), truncation, targets[s : s + chunk])  # (c, V)
             lse[s : s + chunk] = torch.logsumexp(z, dim=-1)
             out[s : s + chunk] = z.gather(1, targets[s : s + chunk, None]).squeeze(1) - lse[s : s + chunk]
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
@@ -65,12 +65,16 @@ class SelectedLogProb(torch.autograd.Function):
         if bias is not None and ctx.needs_input_grad[2]:
             grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device)
         weight_c = weight.to(compute)  # (V, H) cast once, not per chunk
+        coef = -(grad_out / tau)[:, None]  # (M, 1): d loss / d logits = (softmax - onehot) x coef
         for s in range(0, hidden.shape[0], chunk):
-            h = hidden[s : s + chunk]  # (c, H)
-            z = truncate(F.linear(h, weight, bias).to(acc) / tau, ctx.truncation, targets[s : s + chunk])  # (c, V)
-            g = -torch.exp(z - lse[s : s + chunk, None])  # (c, V) -softmax
-            g.scatter_add_(1, targets[s : s + chunk, None], torch.ones_like(g[:, :1]))  # onehot - softmax
-            g = (g * (grad_out[s : s + chunk, None] / tau)).to(compute)  # (c, V) d loss / d logits
+            h, y = hidden[s : s + chunk], targets[s : s + chunk, None]  # (c, H), (c, 1)
+            z = truncate(scaled(F.linear(h, weight, bias), tau, acc), ctx.truncation, y[:, 0])  # (c, V)
+            # In z's own buffer and in `acc` (softmax - onehot cancels where p_y is near 1: not in bfloat16), the
+            # product written straight in the matmuls' compute dtype: subtract, exp and multiply, three passes over
+            # (c, V) after the head's matmul (and the cast of its bfloat16 logits under autocast, z / tau at tau != 1).
+            p = z.sub_(lse[s : s + chunk, None]).exp_()  # (c, V) softmax(z)
+            p.scatter_add_(1, y, torch.full_like(y, -1, dtype=acc))  # softmax - onehot
+            g = torch.mul(p, coef[s : s + chunk], out=torch.empty(p.shape, dtype=compute, device=p.device))  # (c, V)
             if grad_h is not None:
                 grad_h[s : s + chunk] = (g @ weight_c).to(hidden.dtype)  # (c, H)
             if grad_w is not None:
@@ -80,6 +84,13 @@ class SelectedLogProb(torch.autograd.Function):
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
         return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def scaled(logits: torch.Tensor, tau: float, acc: torch.dtype) -> torch.Tensor:
+    """logits / tau in `acc`, the same floats in the forward and the backward (logprobs.sampling_logits' z); a fresh
+    tensor, which the backward overwrites."""
+    z = logits.to(acc)
+    return z.div_(tau) if tau != 1 else z  # z / 1 is z: no pass over the vocabulary
 
 
 def has_plain_head(model) -> bool:

@@ -69,9 +69,12 @@ def sampling_path(model, fast: bool | None = None) -> str:
 
 def sample_exponential_race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Row-wise index i with probability p_i: argmax_i p_i / E_i, E_i ~ Exp(1) (Gumbel-max, as in gpt-fast).
-    E = -log U with U ~ U[0, 1) is never 0 (U = 0 gives E = inf: that token loses), so none wins by a zero divisor."""
-    exp = -torch.rand(probs.shape, generator=generator, device=probs.device, dtype=probs.dtype).log()  # (N, V) E_i
-    return (probs / exp).argmax(dim=-1)  # (N,)
+    E = -log U with U ~ U[0, 1) is never 0 (U = 0 gives E = inf: that token loses), so none wins by a zero divisor.
+
+    Computed as argmin_i p_i / log U_i, the argmin of -(p_i / E_i) exactly (a float's negation is exact): the draw,
+    log, divide and argmin, in U's own buffer, without the pass that negates log U."""
+    u = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=probs.dtype)  # (N, V) U_i
+    return torch.div(probs, u.log_(), out=u).argmin(dim=-1)  # (N,)
 
 
 class StaticDecoder:
