@@ -45,8 +45,11 @@ import tempfile
 
 import torch
 
+import rollout
 import train
 from benchmarks.compare import FITS, compare, fit_name
+from benchmarks.token_timings import KEYS as TOKEN_KEYS
+from benchmarks.token_timings import head_timings, token_timings
 from benchmarks.trl_bench import subclass_step_times, trl_step_times
 from bookkeeping.metrics import clock
 from bookkeeping.run_io import current_memory_gb, peak_memory_gb, reset_peak_memory
@@ -146,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vs-trl", action="store_true", help="also time TRL's GRPOTrainer on the same model and sizes")
     p.add_argument(
         "--vs-generate", action="store_true", help="also time transformers' model.generate on the same shapes"
+    )
+    p.add_argument(
+        "--token-timings",
+        action="store_true",
+        help="also time a sampled token's parts (the chain after the logits, the decode step, whole sampling calls, "
+        "model.generate) and the LM head's log-probs, each beside its textbook form (benchmarks/token_timings.py)",
     )
     p.add_argument(
         "--trl-subclass",
@@ -257,12 +266,20 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
         update_gb.append(peak_memory_gb(device) - before)
         return out
 
+    calls = []  # the generate calls of the timed steps: a cycle's batches sampled in as few as memory allows
+
+    def counted_generate(*a, **kw):
+        calls.append(1)
+        return plain_generate(*a, **kw)
+
     plain_update, train.update = train.update, measured_update
+    plain_generate, rollout.generate = rollout.generate, counted_generate
     try:
         for k in range(warmup + steps):
             if k == warmup:
                 reset_peak_memory(device)
                 peaks.clear()
+                calls.clear()
             t = clock(device)
             res, cycle = grpo_step(cfg, models, tok, k, gen, cycle, draw, ignore_eos=True)
             if k >= warmup:
@@ -270,6 +287,7 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
                 rows.append(row | {k: res.stats.get(k) for k in ("sampler_mismatch", "micro_batch")})
     finally:
         train.update = plain_update
+        rollout.generate = plain_generate
     # The sampler's log alpha against a full forward (train.sampler_mismatch), over the steps that measure it.
     mismatch = [r["sampler_mismatch"] for r in rows if r["sampler_mismatch"] is not None]
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
@@ -287,6 +305,7 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
         "sampling_path": sampling_path(models.policy, cfg.fast),
         # the micro-batch the timed steps' updates used (--micro-batch, or policy.auto_micro_batch's choice)
         "micro_batch": max((r["micro_batch"] for r in rows if r["micro_batch"] is not None), default=None),
+        "sample_calls_per_cycle": len(calls) / (steps // v),
         "timed_steps": steps,
         "warmup_steps": warmup,
     }
@@ -392,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         f"B={cfg.prompts_per_step} G={cfg.group_size} N={n}, "
         f"prompt {args.prompt_len} + {cfg.max_new_tokens} new tokens, "
         f"beta {cfg.beta}, v={cfg.offpolicy_steps} (log alpha: {cfg.alpha_logp_from}), "
-        f"micro-batch {ours['micro_batch']}{'' if cfg.micro_batch else ' (auto)'}; "
+        f"micro-batch {ours['micro_batch']}{'' if cfg.micro_batch else ' (auto)'}, "
+        f"{ours['sample_calls_per_cycle']:g} sampling call(s) a cycle; "
         f"means over {ours['timed_steps']} steps after {ours['warmup_steps']} warm-up"
     )
     print(f"{'phase':<10}{'mean s':>10}{'share':>8}")
@@ -407,11 +427,24 @@ def main(argv: list[str] | None = None) -> int:
     baseline = "" if generate_tps is None else f"; model.generate on the same shapes {generate_tps:.0f} tokens/s"
     print(f"sampling {ours['sample_tokens_per_s']:.0f} tokens/s{baseline}; sampler_mismatch {mismatch}")
 
+    if args.token_timings:
+        prompts = make_prompts(tok, words, cfg.prompts_per_step, args.prompt_len, random.Random(cfg.seed))[0]
+        tokens = min(cfg.max_new_tokens, 32)
+        ms = token_timings(cfg, model, tok, prompts.to(device), tokens=tokens)
+        ms |= head_timings(cfg, model, rows=min(n * cfg.max_new_tokens, 4096))
+        print(f"ms per decode step of {n} rows ({tokens} new tokens a call; the chain on ({n}, V) logits):")
+        print("  " + "  ".join(f"{k} {ms[k]:.3f}" for k in TOKEN_KEYS))
+        print(
+            f"ms per 1,000 scored tokens of the LM head, forward and backward: chunked {ms['head']:.2f}, "
+            f"textbook {ms['head_textbook']:.2f}"
+        )
     keys = ("step_s", "phases", "tokens_per_s", "peak_mem_gb", "update_mem_gb", "sampling_path", "step_s_mean")
-    keys += ("timed_steps", "sample_tokens_per_s", "sampler_mismatch")
+    keys += ("timed_steps", "sample_tokens_per_s", "sampler_mismatch", "sample_calls_per_cycle")
     result = {k: ours[k] for k in keys}
     if generate_tps is not None:
         result["generate_tokens_per_s"] = generate_tps
+    if args.token_timings:
+        result["token_ms"] = ms
     result.update(
         model=args.model,
         device=cfg.device,

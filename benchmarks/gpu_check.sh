@@ -5,13 +5,16 @@
 #      samples from the new weights, the chunked log-prob equals the textbook one in value and gradient (float32 and
 #      bf16 autocast), a tiny run's sampler_mismatch below its dtype's bound (float32 and bfloat16);
 #   2. benchmarks/bench.py on the H200 configuration of docs/design.md (Qwen2.5-0.5B shape, random weights, bf16,
-#      64 prompts x 8 completions, prompt 128 + 256 new tokens, beta 0.04, the default micro-batch): v = 1 beside
-#      transformers' model.generate on the same shapes (and stock TRL's GRPOTrainer step where trl is importable),
-#      v = 4, and v = 1 on the plain sampler (the reference loop);
+#      64 prompts x 8 completions, prompt 128 + 256 new tokens, beta 0.04, the default micro-batch and sample rows):
+#      v = 1 with --token-timings (ms per token of the graph's replay, the sampling chain and its textbook form, a
+#      whole static-cache call, the plain loop and model.generate; the LM head's log-probs against the textbook's)
+#      and stock TRL's GRPOTrainer step where trl is importable; v = 4 as the defaults run it (log alpha recomputed);
+#      v = 4 with log alpha from the sampler (the cycle sampled in one call either way, where memory allows);
 #   3. the memory levers (full, gradient checkpointing, LoRA) on the Qwen2.5-1.5B shape;
 #   4. one table, one line a stage (its result and seconds; a bench's seconds per step, sampling tokens/s, ours and
-#      model.generate's, peak memory, sampler_mismatch, TRL's step and the ratio; the checks' counts), then one JSON
-#      line with every stage, every check and their figures.
+#      model.generate's, peak memory, sampler_mismatch, TRL's step and the ratio, the micro-batch used; the checks'
+#      counts), v = 4's steps against v = 1's, the ms per token of v = 1, then one JSON line with every stage, every
+#      check and their figures.
 # A stage that fails or runs out of time is reported and the next one runs; the exit status is 1 if any failed. A
 # stage that needs an extra that is not installed (peft for fit-lora, trl for the TRL comparison) says
 # "== <stage>: skipped: <extra> not installed" and does not fail the check.
@@ -24,10 +27,11 @@
 # Time on the GPU: a deadline of 290 s (under 5 minutes) for every stage together; each stage also has its own
 # limit, and a stage the deadline leaves no time for is reported "not run (out of time)", a failure. The estimate
 # below is not a measurement (no GPU has run this yet): the issue's estimate of a step at v = 1 on the H200 is about
-# 4-4.5 s (TRL 1.16 measured 17.8 s a step there), the plain sampler's step perhaps twice that. Stages, estimate /
-# limit: checks ~30 s / 90 s; v1 (1 warm-up + 2 steps, model.generate twice) ~45 s / 120 s; v4 (a warm-up cycle and
-# a timed cycle, 8 steps) ~50 s / sized from v1's measured step (30 s + 8 steps x 2 x v1's step); v1-plain-sampling
-# (2 steps) ~35 s / 60 s; fit-plain, fit-ckpt, fit-lora (2 steps each, 1.5B shape) ~25 s / 50 s each: ~235 s in all.
+# 4-4.5 s (TRL 1.16 measured 17.8 s a step there). Stages, estimate / limit: checks ~30 s / 90 s; v1 (1 warm-up + 2
+# steps, then the token timings: 4 calls of 32 tokens each of the static path, the plain loop and model.generate)
+# ~55 s / 130 s; v4 and v4-sampler (a warm-up cycle and a timed cycle, 8 steps each) ~50 s each / sized from v1's
+# measured step (30 s + 8 steps x 2 x v1's step); fit-plain, fit-ckpt, fit-lora (2 steps each, 1.5B shape) ~25 s /
+# 50 s each: ~260 s in all.
 # Where trl is importable its comparison (3 TRL steps, ~60 s) runs inside v1: v1's limit and the deadline grow by
 # 90 s then (380 s), stated in the first lines the script prints.
 #
@@ -136,7 +140,7 @@ bench() {  # bench NAME LIMIT ARGS...: bench.py; its last JSON line (even if cut
 
 run_saving_json checks 90 benchmarks.gpu_checks --device "$DEVICE"
 [ "${#TRL[@]}" = 0 ] && skip vs-trl trl  # the TRL comparison runs inside v1 where trl is importable
-bench v1 $((120 + TRL_S)) "${SIZES[@]}" --offpolicy-steps 1 --steps 2 --vs-generate "${TRL[@]}"
+bench v1 $((130 + TRL_S)) "${SIZES[@]}" --offpolicy-steps 1 --steps 2 --token-timings "${TRL[@]}"
 # One warm-up cycle, then one timed cycle of 4 steps: its refresh samples the 4 batches. Its limit: the process's
 # start (30 s: the model, the graph's capture) and 8 steps at twice v1's measured mean step.
 V4_LIMIT=$("$PY" -c "import json, math, sys
@@ -146,7 +150,7 @@ except Exception:
     step = 10.0  # no v1 figure: a GPU step of about 4.5 s estimated, 10 s assumed
 print(max(60, math.ceil(30 + 8 * 2 * step)))" "$OUTDIR/gpu_check_v1.json")
 bench v4 "$V4_LIMIT" "${SIZES[@]}" --offpolicy-steps 4 --steps 4
-bench v1-plain-sampling 60 "${SIZES[@]}" --offpolicy-steps 1 --steps 1 --sampling plain
+bench v4-sampler "$V4_LIMIT" "${SIZES[@]}" --offpolicy-steps 4 --steps 4 --alpha-logp-from sampler
 for fit in plain ckpt lora; do  # one process each, as `--fit` runs them
   if [ "$fit" = lora ] && [ "$PEFT" = 0 ]; then skip fit-lora peft; continue; fi
   bench "fit-$fit" 50 "${FIT_SIZES[@]}" --steps 1 $("$PY" -c "import sys; sys.path.insert(0, '.')
@@ -184,12 +188,31 @@ for s in stages:
     if r is None:
         print(head + ("  no result" if not s["result"].startswith("skipped") else ""))
         continue
-    ph, gen, mm = r["phases"], r.get("generate_tokens_per_s"), r.get("sampler_mismatch")
+    ph, mm = r["phases"], r.get("sampler_mismatch")
+    gen = r.get("generate_tokens_per_s")
+    if gen is None and "token_ms" in r:  # model.generate's ms per decode step of N rows: tokens per second
+        gen = r["prompts"] * r["group"] * 1e3 / r["token_ms"]["generate"]
     gen = f"{gen:>10.0f}" if gen else f"{'-':>10}"
     mm = f"{mm:>10.2e}" if mm is not None else f"{'-':>10}"
     trl = f"{r['trl_step_s']:>8.2f}{r['ratio_vs_trl']:>9.3f}" if "trl_step_s" in r else f"{'-':>8}{'-':>9}"
     print(f"{head}{r['step_s_mean']:>8.3f}{ph['sample']:>8.3f}{ph['update']:>8.3f}{r['sample_tokens_per_s']:>11.0f}"
-          f"{gen}{r['peak_mem_gb']:>8.1f}{mm}{trl}  {r['sampling_path']}, micro-batch {r['micro_batch']}")
+          f"{gen}{r['peak_mem_gb']:>8.1f}{mm}{trl}  {r['sampling_path']}, micro-batch {r['micro_batch']}, "
+          f"{r.get('sample_calls_per_cycle', 0):g} sampling call(s) a cycle")
+figures = {s["name"]: s["figures"] for s in stages if s["figures"]}
+if "v1" in figures:
+    for name in ("v4", "v4-sampler"):
+        if name in figures:
+            ratio = figures[name]["step_s_mean"] / figures["v1"]["step_s_mean"]
+            print(f"{name}: {ratio:.3f} x v1's mean step (sampling {figures[name]['phases']['sample']:.3f} s a step "
+                  f"against {figures['v1']['phases']['sample']:.3f} s)")
+    ms = figures["v1"].get("token_ms")
+    if ms:
+        rows = figures["v1"]["prompts"] * figures["v1"]["group"]
+        print(f"v1, ms per decode step of {rows} rows: " + ", ".join(
+            f"{k} {ms[k]:.3f}" for k in ("decode_step", "chain", "chain_textbook", "static_call", "plain_loop", "generate")
+        ))
+        print(f"v1, ms per 1,000 scored tokens of the head's log-probs (forward and backward): chunked {ms['head']:.2f}, "
+              f"textbook {ms['head_textbook']:.2f}")
 failed = [s["name"] for s in stages if s["result"] != "ok" and not s["result"].startswith("skipped")]
 print(f"{len(stages) - len(failed)} of {len(stages)} stages ok or skipped, {len(failed)} failed; {wall} s of {budget} s")
 print(json.dumps(dict(mode=mode, budget_s=budget, wall_s=wall, failed=failed, stages=stages)))

@@ -67,7 +67,24 @@ def test_last_line_is_json_with_positive_timings():
     assert 0.5 * res["step_s"] <= sum(res["phases"].values()) <= 1.01 * res["step_s"]
     assert res["tokens_per_s"] == 2 * 2 * 4 / res["step_s"]  # N * T completion tokens per step
     assert res["sampling_path"] == "plain" and res["micro_batch"] == 4
+    assert res["sample_calls_per_cycle"] == 1  # on a CPU the cycle's v = 2 batches are sampled in one call
     assert any(line.startswith("update") for line in lines)  # the table came first
+
+
+def test_token_timings_report_every_part_beside_its_textbook():
+    res = json.loads(run_bench("--token-timings")[-1])
+    ms = res["token_ms"]
+    assert set(ms) == {
+        "chain",
+        "chain_textbook",
+        "decode_step",
+        "static_call",
+        "plain_loop",
+        "generate",
+        "head",
+        "head_textbook",
+    }
+    assert all(0 < v < 1e4 for v in ms.values()), ms
 
 
 def test_vs_trl_without_trl_says_so_in_one_line(tmp_path):
