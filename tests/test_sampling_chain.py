@@ -45,23 +45,26 @@ def textbook_step(logits, alive, temperature, truncation, generator, draw):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("truncation", TRUNCATIONS)
 @pytest.mark.parametrize("draw", ["multinomial", "race"])
-def test_next_token_is_the_textbook_step(dtype, temperature, truncation, draw):
-    # bfloat16 logits are what the policy's forward gives under autocast.
+@pytest.mark.parametrize("amp", [False, True])
+def test_next_token_is_the_textbook_step(dtype, temperature, truncation, draw, amp):
+    # bfloat16 logits are what the policy's forward gives under autocast; the samplers run the step inside the
+    # run's autocast (train.sample_cycle), the textbook here outside it.
     logits = (torch.randn(64, V, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
     alive = torch.ones(64, dtype=torch.bool)
     alive[::5] = False  # rows that have ended: pad, log-prob and entropy 0
-    ours = next_token(
-        logits,
-        alive,
-        torch.zeros(64, dtype=torch.long),
-        temperature=temperature,
-        truncation=truncation,
-        eos_token_id=torch.tensor([1]),
-        pad_token_id=0,
-        generator=torch.Generator().manual_seed(11),
-        ignore_eos=False,
-        draw=sample_multinomial if draw == "multinomial" else sample_exponential_race,
-    )
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        ours = next_token(
+            logits,
+            alive,
+            torch.zeros(64, dtype=torch.long),
+            temperature=temperature,
+            truncation=truncation,
+            eos_token_id=torch.tensor([1]),
+            pad_token_id=0,
+            generator=torch.Generator().manual_seed(11),
+            ignore_eos=False,
+            draw=sample_multinomial if draw == "multinomial" else sample_exponential_race,
+        )
     token, logp, entropy = textbook_step(
         logits, alive, temperature, truncation, torch.Generator().manual_seed(11), draw
     )
