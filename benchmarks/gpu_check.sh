@@ -30,8 +30,8 @@
 # 4-4.5 s (TRL 1.16 measured 17.8 s a step there). Stages, estimate / limit: checks ~30 s / 90 s; v1 (1 warm-up + 2
 # steps, then the token timings: 4 calls of 32 tokens each of the static path, the plain loop and model.generate)
 # ~55 s / 130 s; v4 and v4-sampler (a warm-up cycle and a timed cycle, 8 steps each) ~50 s each / sized from v1's
-# measured step (30 s + 8 steps x 2 x v1's step); fit-plain, fit-ckpt, fit-lora (2 steps each, 1.5B shape) ~25 s /
-# 50 s each: ~260 s in all.
+# measured step (30 s + 8 steps x 2 x v1's step); fit-plain, fit-ckpt, fit-lora (1.5B shape, one step each: they
+# measure memory) ~15 s / 50 s each: ~230 s in all.
 # Where trl is importable its comparison (3 TRL steps, ~60 s) runs inside v1: v1's limit and the deadline grow by
 # 90 s then (380 s), stated in the first lines the script prints.
 #
@@ -91,8 +91,9 @@ else
   DEVICE=cuda
   SIZES=(--model qwen2.5-0.5b-random --device cuda --dtype bfloat16 --prompts-per-step 64 --group-size 8 --prompt-len 128
          --max-new-tokens 256 --beta 0.04 --warmup 1)
+  # The fit stages measure memory (a step's peak): one step each, no warm-up.
   FIT_SIZES=(--model qwen2.5-1.5b-random --device cuda --dtype bfloat16 --prompts-per-step 16 --group-size 8 --prompt-len 128
-             --max-new-tokens 256 --beta 0.04 --micro-batch 32 --warmup 1)
+             --max-new-tokens 256 --beta 0.04 --micro-batch 32 --warmup 0)
   BUDGET=$((290 + TRL_S))
 fi
 DEADLINE=$((SECONDS + BUDGET))
