@@ -27,6 +27,10 @@ Where it departs from a training run, so that runs are comparable:
   3. CUDA is synchronised at phase boundaries, so a phase's time is the GPU's, not the launch queue's.
   4. `--model tiny` has random weights (no supervised warm-up: timing does not depend on them).
 
+`--token-timings` then times a sampled token's parts (the chain after the logits, the static decoder's step, whole
+sampling calls of both loops and model.generate) and the LM head's log-probs, each beside its textbook form, at the
+same shapes: benchmarks/token_timings.py.
+
 `--vs-trl` then runs TRL's GRPOTrainer (optional: `pip install trl`) on the same model and sizes, in the
 same process; `--trl-subclass` instead times stock GRPOTrainer against integrations/trl_grpo.py's subclass
 at v = 1 and v = 4. What is matched and what differs: benchmarks/trl_bench.py.
