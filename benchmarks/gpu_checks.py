@@ -4,9 +4,10 @@
     python -m benchmarks.gpu_checks --device cpu    # the CPU: the static cache runs eagerly, without a graph
 
 It needs torch, transformers and this checkout, nothing else: no pytest and nothing from tests/ (the GPU machine
-has neither); peft for the LoRA rows, which say "skipped: peft not installed" without it. The constructions are
-tests/test_fastpath.py's and tests/test_gpu_path.py's (the tiny Qwen2, a random Llama config, a random LoRA adapter,
-left-padded arithmetic prompts), re-stated here so that they run where those files cannot.
+has neither); peft for the LoRA rows, which say "skipped: peft not installed" without it. The constructions (the
+tiny Qwen2, a random Llama config, a random LoRA adapter, left-padded arithmetic prompts) are those of
+tests/test_fastpath.py and tests/test_gpu_path.py, written here so that they run where tests/ is absent; the tests
+take the Llama from here.
 
 Each check prints one line, "ok/FAILED/skipped: <name>: <figures>", as it ends; then one table of them all and, last,
 one JSON line with every check's result and figures. The exit status is 1 if any check failed.
@@ -88,7 +89,7 @@ class Skipped(Exception):
     """The check cannot run here (an extra is not installed): reported as skipped, not failed."""
 
 
-# --- the models (tests/test_gpu_path.py's tiny_qwen2, tiny_llama, tiny_lora) ------------------------------------
+# --- the models (tests/test_gpu_path.py's too: it builds its Llama with tiny_llama) ------------------------------
 
 
 def tiny_qwen2(tok, seed=0):

@@ -12,7 +12,7 @@ algorithm reads logprobs.token_logprobs instead, and a copy of the algorithm can
 import torch
 import torch.nn.functional as F
 
-from logprobs import Truncation, cache_kwarg, position_ids_from_mask, truncate
+from logprobs import Truncation, cache_kwarg, position_ids_from_mask, sampling_logits, truncate
 
 
 class SelectedLogProb(torch.autograd.Function):
@@ -39,7 +39,7 @@ class SelectedLogProb(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk):
             logits = F.linear(hidden[s : s + chunk], weight, bias)  # (c, V)
             compute = logits.dtype
-            z = truncate(scaled(logits, temperature, acc), truncation, targets[s : s + chunk])  # (c, V)
+            z = sampling_logits(logits, temperature, truncation, targets[s : s + chunk])  # (c, V) in acc
             lse[s : s + chunk] = torch.logsumexp(z, dim=-1)
             out[s : s + chunk] = z.gather(1, targets[s : s + chunk, None]).squeeze(1) - lse[s : s + chunk]
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
@@ -68,7 +68,7 @@ class SelectedLogProb(torch.autograd.Function):
         coef = -(grad_out / tau)[:, None]  # (M, 1): d loss / d logits = (softmax - onehot) x coef
         for s in range(0, hidden.shape[0], chunk):
             h, y = hidden[s : s + chunk], targets[s : s + chunk, None]  # (c, H), (c, 1)
-            z = truncate(scaled(F.linear(h, weight, bias), tau, acc), ctx.truncation, y[:, 0])  # (c, V)
+            z = sampling_logits(F.linear(h, weight, bias), tau, ctx.truncation, y[:, 0])  # (c, V) the forward's z
             # In z's own buffer and in `acc` (softmax - onehot cancels where p_y is near 1: not in bfloat16), the
             # product written straight in the matmuls' compute dtype: subtract, exp and multiply, three passes over
             # (c, V) after the head's matmul (and the cast of its bfloat16 logits under autocast, z / tau at tau != 1).
@@ -84,13 +84,6 @@ class SelectedLogProb(torch.autograd.Function):
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
         grad_b = grad_b.to(bias.dtype) if grad_b is not None else None
         return grad_h, grad_w, grad_b, None, None, None, None
-
-
-def scaled(logits: torch.Tensor, tau: float, acc: torch.dtype) -> torch.Tensor:
-    """logits / tau in `acc`, the same floats in the forward and the backward (logprobs.sampling_logits' z); a fresh
-    tensor, which the backward overwrites."""
-    z = logits.to(acc)
-    return z.div_(tau) if tau != 1 else z  # z / 1 is z: no pass over the vocabulary
 
 
 def has_plain_head(model) -> bool:

@@ -102,3 +102,42 @@ def smollm2(smollm2_gguf):
     cfg = resolve(Config(model=str(smollm2_gguf.parent), task="wordproblems", device="cpu", out="/tmp/unused"))
     model, tok = policy.load_policy(cfg, log=lambda m: None)
     return model.eval(), tok
+
+
+# --- a run of train.py in this process, and what it wrote -------------------------------------------------------
+
+
+@pytest.fixture
+def main(capsys):
+    """train.main in this process, as the command line runs it: (status, stdout, stderr) as a CompletedProcess."""
+    import subprocess
+
+    import train
+
+    def run(*args) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        status = train.main([str(a) for a in args])
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(args, status, out.out, out.err)
+
+    return run
+
+
+def tiny_run_args(cache, out, *extra, steps=3) -> list[str]:
+    """A few steps of the built-in task: 2 prompts x 2 completions, 4 held-out problems, no progress bar."""
+    args = ["--steps", steps, "--prompts-per-step", 2, "--group-size", 2, "--eval-size", 4, "--eval-every", 0]
+    args += ["--max-new-tokens", 8, "--warmup-steps", TEST_WARMUP, "--cache-dir", cache, "--out", out, "--no-progress"]
+    return [str(a) for a in [*args, *extra]]
+
+
+def error_line(r) -> str:
+    """The one line a failed run (exit 2) wrote on stderr, without a traceback."""
+    lines = [x for x in r.stderr.splitlines() if x.strip() and not x.startswith(("Loading weights", "wandb:"))]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    return lines[0]
+
+
+def jsonl(path: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -159,24 +159,10 @@ def test_red_drop_and_the_reward_shuffle_draw_on_their_generators_device(monkeyp
 
 
 def tiny_llama(tok, seed: int = 0):
-    """A random-weight Llama (SmolLM2's family), built from a config: no layer_types in its config."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random-weight Llama (SmolLM2's family): the GPU check's own (one construction for both)."""
+    from benchmarks.gpu_checks import tiny_llama as llama
 
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).eval()
+    return llama(tok, seed).eval()
 
 
 def tiny_qwen2(tok, seed: int = 0):

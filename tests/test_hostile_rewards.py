@@ -10,7 +10,6 @@ Expectations are computed apart from the code under test: TRL's own reading of a
 import asyncio
 import json
 import math
-import subprocess
 import sys
 from collections import deque
 from fractions import Fraction
@@ -22,11 +21,10 @@ import pytest
 import torch
 
 import config
-import train
 from bookkeeping import evaluation
 from bookkeeping.failures import Stopped
 from bookkeeping.metrics import reward_metrics
-from conftest import TEST_WARMUP
+from conftest import error_line, jsonl, tiny_run_args
 from problems.user_rewards import Reward, RewardError, Rewards, RewardState, load_reward
 
 N = 4
@@ -455,33 +453,6 @@ def exits_at_step_1(completions, trainer_state, **kw):
 """
 
 
-def tiny(cache, out, *extra, steps=3) -> list[str]:
-    args = ["--steps", steps, "--prompts-per-step", 2, "--group-size", 2, "--eval-size", 4, "--eval-every", 0]
-    args += ["--max-new-tokens", 8, "--warmup-steps", TEST_WARMUP, "--cache-dir", cache, "--out", out, "--no-progress"]
-    return [str(a) for a in [*args, *extra]]
-
-
-@pytest.fixture
-def main(capsys):
-    def run(*args):
-        capsys.readouterr()
-        status = train.main([str(a) for a in args])
-        out = capsys.readouterr()
-        return subprocess.CompletedProcess(args, status, out.out, out.err)
-
-    return run
-
-
-def error_line(r) -> str:
-    lines = [x for x in r.stderr.splitlines() if x.strip() and not x.startswith(("Loading weights", "wandb:"))]
-    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    return lines[0]
-
-
-def jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def write_data(path: Path) -> Path:
     path.write_text("".join(json.dumps({"prompt": q, "answer": a}) + "\n" for q, a in ARITH))
     return path
@@ -493,7 +464,7 @@ def test_a_run_whose_reward_logs_the_run_names_keeps_its_own_figures(tmp_path, w
     out = tmp_path / "run"
     flags = ["--dataset", write_data(tmp_path / "data.jsonl"), "--log-completions", "4"]
     flags += ["--reward", f"{tmp_path}/hostile.py:greedy_logger", "--reward", "math", "--reward-weights", "0.5", "2"]
-    r = main(*tiny(warm_cache, out, *flags))
+    r = main(*tiny_run_args(warm_cache, out, *flags))
     assert r.returncode == 0, r.stderr[-2000:]
     metrics, rows = jsonl(out / "metrics.jsonl"), jsonl(out / "completions.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2]
@@ -526,12 +497,12 @@ def test_a_reward_that_exits_ends_the_run_in_one_line(tmp_path, warm_cache, main
     monkeypatch.chdir(tmp_path)
     # At import: before anything of the run is written.
     out = tmp_path / "early"
-    line = error_line(main(*tiny(warm_cache, out, "--reward", "at_import.py:f")))
+    line = error_line(main(*tiny_run_args(warm_cache, out, "--reward", "at_import.py:f")))
     assert line == f"error: --reward {tmp_path}/at_import.py:f: importing {tmp_path}/at_import.py failed: SystemExit(0)"
     assert not out.exists()
     # At step 1, after a step was done: exit 2 (not 5), one line naming the function; step 0's row intact.
     out = tmp_path / "late"
-    r = main(*tiny(warm_cache, out, "--reward", "hostile.py:exits_at_step_1", "--reward", "math"))
+    r = main(*tiny_run_args(warm_cache, out, "--reward", "hostile.py:exits_at_step_1", "--reward", "math"))
     line = error_line(r)
     assert line.startswith(f"error: --reward {tmp_path}/hostile.py:exits_at_step_1: exits_at_step_1 raised on 4 rows")
     assert "SystemExit(5)" in line

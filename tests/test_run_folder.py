@@ -27,19 +27,6 @@ pytestmark = pytest.mark.model  # trains a model: CI runs these again under plai
 ENV = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
-@pytest.fixture
-def main(capsys):
-    """train.main in this process, as the command line runs it: (status, stdout, stderr) as a CompletedProcess."""
-
-    def run(*args) -> subprocess.CompletedProcess:
-        capsys.readouterr()
-        status = train.main([str(a) for a in args])
-        out = capsys.readouterr()
-        return subprocess.CompletedProcess(args, status, out.out, out.err)
-
-    return run
-
-
 def cli(*args, cwd=ROOT, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *map(str, args)],

@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,11 +21,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import train
 from bookkeeping import fingerprints as fp
 from bookkeeping.checkpoint import save_checkpoint
 from bookkeeping.run_io import RunWriter
 from config import Config, ConfigError, resolve
+from conftest import jsonl
 from problems import user_rewards
 from test_run_folder import one_line_error, snapshot, tiny
 
@@ -44,25 +43,8 @@ def odd(completions, log_metric, log_extra, **kwargs):
 MODULE = "def short(completions, **kw):\n    return [1.0 if len(c) < 4 else 0.0 for c in completions]\n"
 
 
-@pytest.fixture
-def main(capsys):
-    """train.main in this process, as the command line runs it: (status, stdout, stderr) as a CompletedProcess."""
-
-    def run(*args) -> subprocess.CompletedProcess:
-        capsys.readouterr()
-        status = train.main([str(a) for a in args])
-        out = capsys.readouterr()
-        return subprocess.CompletedProcess(args, status, out.out, out.err)
-
-    return run
-
-
 def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ import torch
 
 import config
 import train
-from conftest import ROOT, TEST_WARMUP, needs, shared_data
+from conftest import ROOT, error_line, jsonl, needs, shared_data, tiny_run_args
 from problems import tasks
 from problems import user_rewards as rewards
 from problems.math_verifier import symbolic_reward
@@ -67,35 +67,6 @@ def write_rows(path: Path, rows=ARITH, **extra) -> Path:
             op = next(c for c in "+-*" if c in q[1:])
             f.write(json.dumps({"prompt": q, "answer": a, "digits": len(a), "op": op, **extra}) + "\n")
     return path
-
-
-def tiny(cache, out, *extra, steps=3) -> list[str]:
-    args = ["--steps", steps, "--prompts-per-step", 2, "--group-size", 2, "--eval-size", 4, "--eval-every", 0]
-    args += ["--max-new-tokens", 8, "--warmup-steps", TEST_WARMUP, "--cache-dir", cache, "--out", out, "--no-progress"]
-    return [str(a) for a in [*args, *extra]]
-
-
-@pytest.fixture
-def main(capsys):
-    """train.main in this process: (status, stdout, stderr)."""
-
-    def run(*args):
-        capsys.readouterr()
-        status = train.main([str(a) for a in args])
-        out = capsys.readouterr()
-        return subprocess.CompletedProcess(args, status, out.out, out.err)
-
-    return run
-
-
-def error_line(r) -> str:
-    lines = [x for x in r.stderr.splitlines() if x.strip() and not x.startswith(("Loading weights", "wandb:"))]
-    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    return lines[0]
-
-
-def jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def user_module(path: Path):
@@ -205,12 +176,12 @@ def test_a_bad_reward_ends_the_cli_in_one_line_and_leaves_no_run(tmp_path, warm_
     (tmp_path / "bad.py").write_text(BAD_FILE)
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
-    line = error_line(main(*tiny(warm_cache, out, "--reward", "bad.py:raises")))
+    line = error_line(main(*tiny_run_args(warm_cache, out, "--reward", "bad.py:raises")))
     assert line.startswith(f"error: --reward {tmp_path}/bad.py:raises: raises raised on 4 rows: KeyError")
     assert not out.exists()  # the start evaluation called it: nothing of the run is left
-    line = error_line(main(*tiny(warm_cache, out, "--reward", "bad.py:gone")))
+    line = error_line(main(*tiny_run_args(warm_cache, out, "--reward", "bad.py:gone")))
     assert "has no function 'gone'" in line and not out.exists()  # refused before --out is claimed
-    weights = error_line(main(*tiny(warm_cache, out, "--reward", "math", "--reward-weights", "1", "2")))
+    weights = error_line(main(*tiny_run_args(warm_cache, out, "--reward", "math", "--reward-weights", "1", "2")))
     assert "--reward-weights: 2 weights for 1 rewards" in weights
 
 
@@ -222,7 +193,7 @@ def test_a_run_with_rewards_of_ones_own_reports_each_and_their_weighted_sum(tmp_
     out = tmp_path / "run"
     specs = [f"{tmp_path}/mine.py:{f}" for f in ("exact", "length", "odd")]
     flags = ["--dataset", data, *[x for s in specs for x in ("--reward", s)], "--reward-weights", "1", "0.5", "2"]
-    r = main(*tiny(warm_cache, out, *flags, "--log-completions", "4"))
+    r = main(*tiny_run_args(warm_cache, out, *flags, "--log-completions", "4"))
     assert r.returncode == 0, r.stderr[-2000:]
     # No built-in verifier among them: the accuracy counts weighted rewards > 0, the mean reward is beside it.
     log = r.stdout + r.stderr
@@ -365,9 +336,10 @@ def test_the_answer_is_optional_when_no_reward_reads_it_and_the_gold_is_free_for
     data.write_text("".join(json.dumps({"prompt": q}) + "\n" for q, _ in ARITH))
     (tmp_path / "mine.py").write_text(USER_REWARDS)
     out = tmp_path / "run"
-    r = main(*tiny(warm_cache, out, "--dataset", data, "--reward", f"{tmp_path}/mine.py:odd", "--steps", "1"))
+    r = main(*tiny_run_args(warm_cache, out, "--dataset", data, "--reward", f"{tmp_path}/mine.py:odd", "--steps", "1"))
     assert r.returncode == 0, r.stderr[-2000:]
-    line = error_line(main(*tiny(warm_cache, tmp_path / "r2", "--dataset", data)))  # the built-in verifier needs it
+    # The built-in verifier needs the answer field.
+    line = error_line(main(*tiny_run_args(warm_cache, tmp_path / "r2", "--dataset", data)))
     assert "no field 'answer'" in line and "--answer-field" in line and not (tmp_path / "r2").exists()
     # The built-in verifier reads a plain gold as well as GSM8K's, whatever the completion's form.
     verifier = MathVerifier()
@@ -520,7 +492,7 @@ def test_report_to_wandb_offline_logs_the_scalars_tensorboard_gets_and_the_compl
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
-    args = tiny(warm_cache, out, "--report-to", "tensorboard,wandb", "--log-completions", "2")
+    args = tiny_run_args(warm_cache, out, "--report-to", "tensorboard,wandb", "--log-completions", "2")
     assert train.main(args) == 0
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
@@ -543,7 +515,7 @@ def test_report_to_wandb_offline_logs_the_scalars_tensorboard_gets_and_the_compl
 
 def test_completions_survive_kill_9_and_a_resume_logs_no_step_twice(tmp_path, warm_cache):
     out = tmp_path / "run"
-    run = tiny(warm_cache, out, "--log-completions", "3", "--save-every", "2", steps=400)
+    run = tiny_run_args(warm_cache, out, "--log-completions", "3", "--save-every", "2", steps=400)
     args = [sys.executable, str(ROOT / "train.py"), *run]
     p = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     path = out / "completions.jsonl"
@@ -595,7 +567,7 @@ def test_a_scheduled_run_resumed_mid_cycle_is_the_uninterrupted_run(tmp_path, wa
     extra += ["--save-every", "1", "--keep-checkpoints", "5", "--log-completions", "2"]
     extra += ["--reward", "math", "--reward", f"{tmp_path}/mine.py:odd"]
     full = tmp_path / "full"
-    assert main(*tiny(warm_cache, full, *extra, steps=4)).returncode == 0
+    assert main(*tiny_run_args(warm_cache, full, *extra, steps=4)).returncode == 0
     cut = tmp_path / "cut"
     shutil.copytree(full, cut)
     for name in ("final", "summary.json"):
@@ -624,16 +596,17 @@ def test_a_start_that_fails_leaves_no_run_and_the_same_command_then_works(tmp_pa
     out = tmp_path / "run"
     data = write_rows(tmp_path / "data.jsonl")
     # A bad model path: the folder is claimed, the model does not load, the folder goes again.
-    line = error_line(main(*tiny(warm_cache, out, "--model", tmp_path / "no-model-here", "--dataset", data)))
+    line = error_line(main(*tiny_run_args(warm_cache, out, "--model", tmp_path / "no-model-here", "--dataset", data)))
     assert "no-model-here" in line and not out.exists()
     # Bad data: refused before --out is claimed.
     (tmp_path / "bad.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": ""}\n')
-    assert "row 2" in error_line(main(*tiny(warm_cache, out, "--dataset", tmp_path / "bad.jsonl"))) and not out.exists()
+    bad = main(*tiny_run_args(warm_cache, out, "--dataset", tmp_path / "bad.jsonl"))
+    assert "row 2" in error_line(bad) and not out.exists()
     # A reward that raises at the first evaluation; once fixed, the very same command runs, without --overwrite.
     (tmp_path / "flaky.py").write_text("def f(completions, **kw):\n    raise ValueError('not yet')\n")
     # With tensorboard where it is installed: its writer, opened by the start, is closed with the folder it wrote.
     board = ["--report-to", "tensorboard"] if importlib.util.find_spec("tensorboard") else []
-    cmd = tiny(warm_cache, out, "--dataset", data, "--reward", f"{tmp_path}/flaky.py:f", *board)
+    cmd = tiny_run_args(warm_cache, out, "--dataset", data, "--reward", f"{tmp_path}/flaky.py:f", *board)
     cmd += ["--system-prompt", "0", "--instruction", "{question}1", "--log-completions", "1"]
     assert "ValueError: not yet" in error_line(main(*cmd)) and not out.exists()
     (tmp_path / "flaky.py").write_text("def f(completions, **kw):\n    return [0.0] * len(completions)\n")
@@ -648,7 +621,7 @@ def test_a_start_that_fails_leaves_no_run_and_the_same_command_then_works(tmp_pa
     # An --out that existed before stays, empty, after a failed start.
     kept = tmp_path / "kept"
     kept.mkdir()
-    error_line(main(*tiny(warm_cache, kept, "--model", tmp_path / "no-model-here")))
+    error_line(main(*tiny_run_args(warm_cache, kept, "--model", tmp_path / "no-model-here")))
     assert kept.is_dir() and list(kept.iterdir()) == []
 
 
