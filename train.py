@@ -5,8 +5,10 @@
 `grpo_step` is step k of Algorithm 1, and the step the loop runs. v = --offpolicy-steps, mu = --inner-steps; B
 prompts a step (--prompts-per-step), G completions a prompt (--group-size), N = B x G rows:
 
-  1. refresh: when the current cycle holds no batch for step k (k mod v = 0, or a lost cycle: deviation 2),
-     alpha <- pi_theta, and the batches of steps k, ..., k + v - 1 are sampled now (`sample_cycle`);
+  1. draw ahead: alpha <- pi_theta as it stands before step k's update, and the batches of the steps the schedule
+     names are sampled now (`steps_to_draw`, `sample_ahead`): a refresh when the queue holds no batch for step k
+     (k mod v = 0, or a lost queue: deviation 2), the batches of steps k, ..., k + v - 1; with a constant lag s
+     (--lag), the batch of step k + s (at step 0, or after a lost queue, those of steps k, ..., k + s);
   2. sample G completions for each of B prompts from alpha (rollout.generate_batches);
   3. score each with the reward: reward.py's verifier, or reward functions of your own (problems/user_rewards.py);
   4. group-relative advantages within the step's own groups; a group whose rewards are all equal leaves the loss
@@ -17,8 +19,9 @@ prompts a step (--prompts-per-step), G completions a prompt (--group-size), N = 
 
 The stale policy is a batch, not a model: between two refreshes alpha does not change, so drawing its v batches
 at the refresh is drawing them from the frozen alpha later, and alpha never exists as a second copy of the
-weights. The cycle's batches live in a `rollout.Cycle`, which checkpoints hold: a run killed mid-cycle resumes bit
-for bit.
+weights. A constant lag is the same queue filled one batch a step: step k's batch was drawn at step k - s, by the
+weights before that step's update. The batches drawn ahead live in a `rollout.Queue`, which checkpoints hold: a run
+killed mid-queue resumes bit for bit.
 
 Two optimisations, each chosen in one line and tested equal to its textbook form: `completion_logprobs` (engine/
 chunked_logprobs.py, logprobs.token_logprobs without the N x T x V logits) and `sampling_loop` (engine/decoding.py, a
@@ -35,8 +38,9 @@ Deviations from [A]:
      pi_k too, and log alpha is that same forward. (MIS on a stale step needs all of pi_k before the first
      micro-batch, so there pi_k gets a no-grad pass; a refresh step without signal runs no update, and its
      sampler_mismatch figure costs one forward.)
-  2. A step whose cycle is missing (its refresh's sampling failed, a checkpoint without one) samples the rest of
-     its cycle, steps k, ..., up to the next multiple of v, from pi_theta then.
+  2. A step whose batch is missing from the queue (its sampling failed, a checkpoint without one) samples the rest
+     of its cycle, steps k, ..., up to the next multiple of v, or with --lag s steps k, ..., k + s, from pi_theta
+     then.
   3. A group whose rewards are all equal leaves the loss whole, its KL term included: the KL is averaged over the
      loss's tokens, so beta pulls only on the groups that carry signal (--no-mask-zero-std keeps them in).
   4. Held-out accuracy is greedy (temperature 0), the usual way to report it; training samples at --temperature.
@@ -46,6 +50,7 @@ Deviations from [A]:
 
 import contextlib
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -74,12 +79,20 @@ from bookkeeping.run_io import RunWriter
 from config import Config, ConfigError, config_from_args, parse_args, validate
 from engine.chunked_logprobs import chunked_token_logprobs
 from engine.decoding import sampling_path, static_sampler
-from engine.policy import Models, auto_micro_batch, auto_sample_rows, autocast, load_policy, make_models
+from engine.policy import (
+    Models,
+    auto_micro_batch,
+    auto_sample_rows,
+    autocast,
+    available_bytes,
+    load_policy,
+    make_models,
+)
 from objective import aggregation_total, policy_loss
 from problems.prompts import Draw, PromptStream, fit_to_context, load_problems, run_rewards, warn_of_overlap
-from problems.tasks import TaskError, prompt_record
+from problems.tasks import TaskError, prompt_record, render_prompt
 from problems.user_rewards import RewardError
-from rollout import Cycle, Rollout, Sampled, end_ids, generate_batches, sample
+from rollout import Queue, Rollout, Sampled, end_ids, generate_batches, sample
 from variants.corrections import correction_args, mis_keep_mask, staleness_stats
 from variants.reinforce import opmd_loss, rec_loss
 
@@ -102,7 +115,8 @@ class Batch:
 class StepResult:
     """What `grpo_step` did: the samples, their rewards, the update's statistics, each phase's seconds."""
 
-    refresh: bool  # this step refreshed alpha and sampled its cycle
+    refresh: bool  # this step sampled batches ahead (periodic: a refresh; --lag: every step but the last s)
+    sampled_at: int  # the step whose weights sampled this step's batch
     rollout: Rollout
     rewards: torch.Tensor  # (N,)
     batch: Batch
@@ -116,33 +130,35 @@ def grpo_step(
     tokenizer,
     k: int,
     gen: torch.Generator,
-    cycle: Cycle | None,
+    queue: Queue | None,
     draw: Callable[[int, int], list],
     *,
     ignore_eos: bool = False,
-) -> tuple[StepResult, Cycle]:
-    """Step k of Algorithm 1 (the module docstring's steps 1-6); returns what it did and the cycle the next step
+) -> tuple[StepResult, Queue]:
+    """Step k of Algorithm 1 (the module docstring's steps 1-6); returns what it did and the queue the next step
     reads.
 
     Args:
         models: pi_theta, its optimizer and pi_ref (engine.policy.make_models).
         tokenizer: gives the EOS and pad ids.
         gen: the sampling generator (also drives RED-Drop and --reward-shuffle).
-        cycle: the current refresh cycle (None at the start).
+        queue: the batches drawn ahead (None at the start).
         draw: (k, n) -> the (prompt_ids, prompt_mask, reward_fn) of steps k, ..., k + n - 1: prompts (B, P)
-            left-padded on the policy's device, reward_fn: Rollout -> (N,) rewards. Called at a refresh.
+            left-padded on the policy's device, reward_fn: Rollout -> (N,) rewards. Called when a step draws ahead.
         ignore_eos: sample fixed-length completions (the benchmark).
     Raises FloatingPointError when the sampler's logits are not finite (a diverged policy).
     """
     timer = Timer(next(models.policy.parameters()).device)
 
-    # 1-3. refresh: alpha <- pi_theta samples and scores the batches of steps k, ..., up to the next refresh, now.
-    # The cycle holds no batch for step k when k mod v = 0, or when it was lost (deviation 2).
-    refresh = cycle is None or not cycle.covers(k)
+    # 1-3. draw ahead: alpha <- pi_theta, before step k's update, samples and scores the batches of the steps the
+    # schedule names, now. The used batches leave the queue first; a lost queue starts again at k (deviation 2).
+    queue = queue.from_step(k) if queue is not None and queue.covers(k) else Queue(k, [])
+    ahead = steps_to_draw(cfg, k, queue)
+    refresh = len(ahead) > 0
     if refresh:
-        n = min(cfg.offpolicy_steps - k % cfg.offpolicy_steps, cfg.steps - k)
-        cycle = sample_cycle(cfg, models.policy, tokenizer, k, draw(k, n), gen, timer, ignore_eos=ignore_eos)
-    sampled = cycle.batches[k - cycle.start]
+        drawn = sample_ahead(cfg, models.policy, tokenizer, k, ahead, draw, gen, timer, ignore_eos=ignore_eos)
+        queue = Queue(queue.start, queue.batches + drawn)
+    sampled = queue.batches[0]  # step k's
     ro, rewards = sampled.rollout, sampled.rewards
 
     # 4. group-relative advantages within the step's own groups; the groups whose rewards are all equal leave the loss
@@ -157,7 +173,7 @@ def grpo_step(
             alpha_logp=sampled.alpha_logp,
         )
 
-    # 5. log-probs: log alpha came with the batch (sample_cycle; None at a refresh: alpha = pi_k), log pi_k is the
+    # 5. log-probs: log alpha came with the batch (sample_ahead; None if sampled now: alpha = pi_k), log pi_k is the
     # update's first forward (update); here log pi_ref, a constant, the KL term's reference
     with timer("logprob"):
         ref_logp = ref_logprobs(cfg, models, ro, k)  # (N, T), None without a KL term
@@ -168,23 +184,46 @@ def grpo_step(
             stats, pi_k_logp = update(cfg, models.policy, models.opt, batch, ref_logp)
         else:  # every group had equal rewards: no optimizer step
             stats, pi_k_logp = {"nonfinite_updates": 0, "skipped_no_signal": 1}, None
-        stats |= sampler_mismatch(cfg, models.policy, batch, ro, refresh, pi_k_logp)
-    return StepResult(refresh, ro, rewards, batch, stats, timer.seconds), cycle
+        stats |= sampler_mismatch(cfg, models.policy, batch, ro, sampled.sampled_at == k, pi_k_logp)
+    return StepResult(refresh, sampled.sampled_at, ro, rewards, batch, stats, timer.seconds), queue
 
 
-def sample_cycle(cfg: Config, policy, tokenizer, start: int, draws: list, gen, timer, *, ignore_eos=False) -> Cycle:
-    """Steps 1-3 for the steps start, ..., start + len(draws) - 1 at once, from alpha = pi_theta now.
+def steps_to_draw(cfg: Config, k: int, queue: Queue) -> range:
+    """The schedule: the steps whose batches step k samples ahead, from pi_theta before its update. `queue` holds
+    the batches from step k on. One queue, two schedules:
 
-    draws: one (prompt_ids, prompt_mask, reward_fn) per step, in the order the steps would have drawn them.
-    log alpha (--alpha-logp-from): `recompute`, a no-grad forward of pi_theta over the batches after the first
-    (the first batch's alpha is pi_k, whose log-probs its update's first forward records: None here); or `sampler`,
-    the log-probs `generate` recorded while sampling, for every batch. Raises FloatingPointError when the sampler's
-    logits are not finite (a diverged policy).
+      periodic (--offpolicy-steps v): none while the queue holds step k's batch; else a refresh, steps k, ..., up
+          to the next multiple of v. Step k's batch was sampled at k - (k mod v): staleness 0, 1, ..., v - 1.
+      constant (--lag s): every step up to k + s not yet drawn: at step 0 (or after a lost queue) steps 0, ..., s;
+          then step k + s alone. Step k's batch was sampled at max(0, k - s): staleness min(k, s).
+
+    No step past the run's last is drawn. --lag s over its first s + 1 steps is --offpolicy-steps s + 1."""
+    if cfg.lag is not None:
+        last = k + cfg.lag
+    elif queue.covers(k):
+        return range(0)
+    else:
+        last = (k // cfg.offpolicy_steps + 1) * cfg.offpolicy_steps - 1
+    return range(queue.end, min(last + 1, cfg.steps))
+
+
+def sample_ahead(cfg: Config, policy, tokenizer, k: int, ahead: range, draw, gen, timer, *, ignore_eos=False) -> list:
+    """Steps 1-3 at step k for the steps `ahead` at once, from alpha = pi_theta now (before step k's update):
+    one `Sampled` a step, in order.
+
+    draw(first, n): one (prompt_ids, prompt_mask, reward_fn) per step, in the order the steps would have drawn them.
+    log alpha (--alpha-logp-from) comes with each batch, computed now, by the weights that sample it: `recompute`,
+    a no-grad forward of pi_theta over each batch drawn ahead (step k's own batch, where drawn now, has alpha =
+    pi_k, whose log-probs its update's first forward records: None here); or `sampler`, the log-probs `generate`
+    recorded while sampling, for every batch. Raises FloatingPointError when the sampler's logits are not finite (a
+    diverged policy).
     """
+    draws = draw(ahead.start, len(ahead))
     policy.eval()
     rows = sum(ids.shape[0] for ids, _, _ in draws) * cfg.group_size  # the cycle's completions
     longest = max(ids.shape[1] for ids, _, _ in draws) + cfg.max_new_tokens  # a row's prompt and completion
-    max_rows = cfg.sample_rows or auto_sample_rows(policy, rows, longest)  # as few calls as memory allows
+    # As few calls as memory allows.
+    max_rows = cfg.sample_rows or auto_sample_rows(policy, rows, longest, cfg.autocast_dtype)
     with timer("sample"), autocast(cfg, draws[0][0].device):
         rollouts = generate_batches(
             policy,
@@ -204,15 +243,15 @@ def sample_cycle(cfg: Config, policy, tokenizer, start: int, draws: list, gen, t
         rewards = [reward_fn(ro) for ro, (_, _, reward_fn) in zip(rollouts, draws)]  # (N,) each
     with timer("logprob"), torch.no_grad():
         batches = []
-        for j, (ro, r) in enumerate(zip(rollouts, rewards)):
+        for step, ro, r in zip(ahead, rollouts, rewards):
             if cfg.alpha_logp_from == "sampler":
                 alpha_logp = ro.sampler_logp
-            elif j == 0:
+            elif step == k:
                 alpha_logp = None  # alpha = pi_k: the update's first forward gives log alpha
             else:
                 alpha_logp = completion_logprobs(cfg, policy, ro)  # (N, T)
-            batches.append(Sampled(ro, r, alpha_logp))
-    return Cycle(start, batches)
+            batches.append(Sampled(ro, r, alpha_logp, sampled_at=k))
+    return batches
 
 
 def update(cfg: Config, policy, opt, batch: Batch, ref_logp) -> tuple[dict, torch.Tensor]:
@@ -226,7 +265,8 @@ def update(cfg: Config, policy, opt, batch: Batch, ref_logp) -> tuple[dict, torc
     network: with dropout, rho would differ from 1 even where pi_theta = alpha (TRL's `disable_dropout` too).
     """
     n, loss_mask = batch.input_ids.shape[0], batch.loss_mask
-    mb = cfg.micro_batch or auto_micro_batch(policy, n, batch.input_ids.shape[1], cfg.gradient_checkpointing)
+    length = batch.input_ids.shape[1]
+    mb = cfg.micro_batch or auto_micro_batch(policy, n, length, cfg.gradient_checkpointing, cfg.autocast_dtype)
     micro_batches = [slice(s, s + mb) for s in range(0, n, mb)]
     policy.train(cfg.gradient_checkpointing)  # checkpointing acts in train mode only; dropout is 0 either way
     pi_k_logp, total = None, aggregation_total(loss_mask, cfg.agg, cfg.max_new_tokens)
@@ -307,12 +347,13 @@ def ref_logprobs(cfg: Config, models: Models, ro: Rollout, k: int) -> torch.Tens
         return completion_logprobs(cfg, ref, ro)
 
 
-def sampler_mismatch(cfg: Config, policy, batch: Batch, ro: Rollout, refresh: bool, pi_k_logp) -> dict:
+def sampler_mismatch(cfg: Config, policy, batch: Batch, ro: Rollout, sampled_now: bool, pi_k_logp) -> dict:
     """{"sampler_mismatch": the mean |log alpha while sampling - log alpha of a full forward|} over the loss's
-    tokens (all the completion tokens on a step without signal), where the step has both: pi_k's forward at a
-    refresh (alpha = pi_k; a forward of its own when no update ran), the recomputed log alpha after it. A large
-    value means sampling and training see different models (the KV cache, the fast path, autocast)."""
-    if refresh:
+    tokens (all the completion tokens on a step without signal), where the step has both: pi_k's forward for a
+    batch sampled at its own step (alpha = pi_k; a forward of its own when no update ran), the recomputed log alpha
+    of a batch drawn ahead. A large value means sampling and training see different models (the KV cache, the fast
+    path, autocast)."""
+    if sampled_now:
         if pi_k_logp is None:
             with evaluating(policy):
                 pi_k_logp = completion_logprobs(cfg, policy, batch)  # (N, T)
@@ -421,6 +462,48 @@ def mis_prepass(cfg: Config, policy, batch: Batch, micro_batches: list[slice]) -
     return pi_k_logp, aggregation_total(batch.loss_mask * keep, cfg.agg, cfg.max_new_tokens)
 
 
+def queue_batch_bytes(cfg: Config, prompt_len: int) -> int:
+    """The most bytes one batch in the queue holds (rollout.Sampled), N = B x G rows, P = prompt_len (the longest
+    prompt), T = --max-new-tokens: prompt_ids and prompt_mask (N, P) and completion_ids and completion_mask (N, T),
+    int64 each; sampler_logp and entropy (N, T) float32 each; truncated (N,) bool; rewards (N,) float32; under
+    --alpha-logp-from recompute, log alpha (N, T) float32 (under sampler it is sampler_logp itself):
+
+        N x (16 P + 24 T + 5) bytes, + 4 N T with recompute.
+    """
+    n, t = cfg.prompts_per_step * cfg.group_size, cfg.max_new_tokens
+    return n * (16 * prompt_len + 24 * t + 5) + (4 * n * t if cfg.alpha_logp_from == "recompute" else 0)
+
+
+def check_queue_fits(cfg: Config, tokenizer, train_set, device: torch.device) -> None:
+    """Refuse a queue that cannot fit: s + 1 batches (--lag s) or v (--offpolicy-steps v), each at most
+    `queue_batch_bytes`, must take no more than half the memory free on the device now (the rest is sampling's and
+    the update's). CUDA: what the driver and the allocator leave (engine.policy.available_bytes); a CPU: Linux's
+    MemAvailable (os.sysconf's available pages elsewhere)."""
+    held = cfg.lag + 1 if cfg.lag is not None else cfg.offpolicy_steps
+    if held == 1:
+        return  # on-policy: the step's own batch, as any run holds
+    texts = [render_prompt(tokenizer, p) for p in train_set]
+    longest = max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
+    per_batch = queue_batch_bytes(cfg, longest)
+    free = available_bytes(device) if device.type == "cuda" else host_available_bytes()
+    if held * per_batch > free / 2:
+        flag = f"--lag {cfg.lag}" if cfg.lag is not None else f"--offpolicy-steps {cfg.offpolicy_steps}"
+        raise ConfigError(
+            f"{flag}: the queue of {held} batches drawn ahead needs {held * per_batch / 1e9:.3g} GB ({held} x "
+            f"{per_batch / 1e6:.3g} MB), more than half the {free / 1e9:.3g} GB free on {device}; lower it, or "
+            f"--prompts-per-step, --group-size, --max-new-tokens"
+        )
+
+
+def host_available_bytes() -> int:
+    """The CPU memory a process can take now: Linux's MemAvailable, else the free pages os.sysconf reports."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # kB
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 # ---- the run ------------------------------------------------------------------------------------------------------
 
 
@@ -456,12 +539,14 @@ def train(cfg: Config) -> dict:
         train_set, heldout = fit_to_context(cfg, policy, tokenizer, train_set, heldout, log=writer.log)
         models = make_models(cfg, policy.to(cfg.device))
         writer.record({"reward_names": rewards.names, **prompt_record(tokenizer, train_set[0])})
-        v = cfg.offpolicy_steps
-        schedule = (
-            f"every {v} steps, the next {v} batches at once (log alpha: {cfg.alpha_logp_from})"
-            if v > 1
-            else "every step"
-        )
+        v, s = cfg.offpolicy_steps, cfg.lag
+        if s:
+            schedule = f"at each step k the batch of step k + {s}, a constant lag (log alpha: {cfg.alpha_logp_from})"
+        elif v > 1:
+            schedule = f"every {v} steps, the next {v} batches at once (log alpha: {cfg.alpha_logp_from})"
+        else:
+            schedule = "every step"
+        check_queue_fits(cfg, tokenizer, train_set, device)
         writer.log(f"sampling path: {sampling_path(models.policy, cfg.fast)}; the policy samples {schedule}")
         gen = torch.Generator(device=device).manual_seed(cfg.seed)  # the sampling generator
         stream = PromptStream(train_set, cfg.seed)
@@ -473,9 +558,9 @@ def train(cfg: Config) -> dict:
 
         # ---- resume, or evaluate the starting policy (no random number of the sampling generator is drawn) ----
         # A resumed run keeps its wall clock and its start's held-out metrics, so its summary reads like one run's.
-        start_step, wall_before, cycle, start = 0, 0.0, None, {}
+        start_step, wall_before, queue, start = 0, 0.0, None, {}
         if cfg.resume:
-            start_step, start, wall_before, cycle, draw.scored = restore(cfg, models, gen, stream, writer)
+            start_step, start, wall_before, queue, draw.scored = restore(cfg, models, gen, stream, writer)
         t0 = time.time() - wall_before
         if not cfg.resume and cfg.eval_start:
             start = evaluate(-1)
@@ -484,7 +569,7 @@ def train(cfg: Config) -> dict:
 
         def checkpoint(done: int) -> None:  # the run after `done` steps, written atomically; Ctrl-C waits for it
             check_finite_weights(models.policy, f"step {done - 1}")
-            state = run_state(models, gen, stream, cycle, done, start, time.time() - t0, draw.scored)
+            state = run_state(models, gen, stream, queue, done, start, time.time() - t0, draw.scored)
             with signals_wait():
                 save_checkpoint(cfg.out, state, done, cfg.keep_checkpoints)
 
@@ -504,7 +589,7 @@ def train(cfg: Config) -> dict:
                 group["lr"] = lr_at(cfg, k)
             before = rng_state(gen), stream.position
             try:
-                res, cycle = grpo_step(cfg, models, tokenizer, k, gen, cycle, draw)
+                res, queue = grpo_step(cfg, models, tokenizer, k, gen, queue, draw)
             except FloatingPointError:  # the sampler's logits are not finite: a diverged policy, a non-finite step
                 writer.metrics({"step": k, "wall_s": time.time() - t0, "nonfinite_updates": 1, "nonfinite_logits": 1})
                 nonfinite.append(k)
@@ -519,6 +604,7 @@ def train(cfg: Config) -> dict:
             row = metrics_row(k, res, cfg.group_size, time.time() - t0, time.time() - t_step, device)
             scores = draw.scored.pop(k, None)
             row.update(lr=lr_at(cfg, k), **reward_metrics(scores, rewards.names))
+            row.update(sampled_at=res.sampled_at, staleness=k - res.sampled_at)  # the queue's schedule, as it ran
             if cfg.log_completions:
                 writer.completions(logged_rows(cfg, tokenizer, k, res, scores, rewards.names))
             if cfg.eval_every and (k + 1) % cfg.eval_every == 0 and k + 1 < cfg.steps:

@@ -3,7 +3,8 @@ fitting it into memory (bfloat16 weights, gradient checkpointing, LoRA), and the
 
     load_policy        the model and its tokenizer, from --model
     fit_policy         dropout off, then the memory levers: bfloat16 weights, gradient checkpointing, LoRA
-    auto_micro_batch   the micro-batch that fits the device's free memory (CUDA); the whole batch on the CPU
+    auto_micro_batch   the micro-batch that fits the memory the process may use (CUDA); the whole batch on the CPU
+    auto_sample_rows   the rows a sampling call holds, sized the same way
     BF16AdamW          the optimizer for bfloat16 weights (stochastic rounding)
     Models, make_models  pi_theta, its optimizer and pi_ref, as a step reads them
     autocast           bfloat16 autocast on CUDA, a no-op in float32
@@ -162,77 +163,186 @@ def fit_policy(cfg: Config, model):
     return model
 
 
-def activation_bytes_per_token(config, checkpointing: bool) -> int:
-    """A decoder's activations kept for the backward, per token, under bf16 autocast with float32 weights: in
-    each layer the matmuls' bf16 inputs and outputs (q, k, v, attention out, o_proj; gate, up, their product:
-    about 6 H + 4 I values, 2 bytes each) and the float32 residual stream and norm inputs (about 4 H, 4 bytes).
-    With gradient checkpointing a layer keeps only its float32 input, and one layer at a time the rest.
+# --- The memory defaults: --micro-batch and --sample-rows on CUDA ---------------------------------------------------
+#
+#   A = min(driver free + the allocator's unused cache,  total x fraction - allocated)   what the process may allocate
+#       fraction: torch.cuda.set_per_process_memory_fraction's (memory_fraction; 1 when none is set)
+#   U = (1 - HEADROOM) x A - pending                                                     what a default may plan on
+#       HEADROOM = 0.15: the allocator's fragmentation (its reserved peak runs above the allocated one) and the
+#       error of the rules of thumb below; pending: what the first update still allocates (pending_bytes)
+#   --micro-batch  the largest divisor of N with  rows x length x activation_bytes_per_token  <=  U - head_bytes
+#   --sample-rows  the most rows with  rows x sample_bytes_per_row  <=  SAMPLE_SHARE x U
+#       SAMPLE_SHARE = 1/2: the static decoder keeps its KV cache through the update, whose micro-batch is sized
+#       afterwards from what sampling left. A 24, 40 or 80 GB device each gets defaults that fit: tests/test_gpu_path.
+HEADROOM = 0.15
+SAMPLE_SHARE = 0.5
+HEAD_CHUNK = 1024  # rows of the LM head evaluated at once (engine.chunked_logprobs.chunked_token_logprobs' chunk)
+
+
+def activation_bytes_per_token(config, checkpointing: bool, dtype: torch.dtype) -> int:
+    """A decoder's activations kept for the backward, per token, with matmuls in `dtype` (the autocast dtype, or the
+    weights' own without autocast) and a float32 residual stream. In each layer:
+
+        b (6 H + 4 I) + 4 (4 H)    b = dtype's bytes: the matmuls' inputs and outputs (q, k, v, attention out,
+                                   o_proj; gate, up, their product), and the residual stream and norm inputs
+        layers x that              all of it; with gradient checkpointing: 4 H x layers (each layer's float32
+                                   input) + one layer's, recomputed one layer at a time
+
     A rule of thumb (Korthikanti et al. 2022 count the same tensors): it sizes the default micro-batch."""
     h = config.hidden_size
     i = getattr(config, "intermediate_size", None) or 4 * h
-    per_layer = 2 * (6 * h + 4 * i) + 4 * 4 * h
+    b = torch.empty((), dtype=dtype).element_size()
+    per_layer = b * (6 * h + 4 * i) + 4 * 4 * h
     layers = config.num_hidden_layers
     return 4 * h * layers + per_layer if checkpointing else per_layer * layers
 
 
-# Model -> {(N, length, checkpointing): the micro-batch chosen the first time}: the same on every step.
-_MICRO_BATCHES = weakref.WeakKeyDictionary()
+def head_bytes(config) -> int:
+    """The LM head's log-probs at their peak, beside the activations: about 4 (chunk, V) float32 blocks alive (the
+    logits, z, softmax, the gradient) and grad_w, (V, H) float32:  4 x HEAD_CHUNK x V x 4 + 4 V H."""
+    return 4 * HEAD_CHUNK * config.vocab_size * 4 + 4 * config.vocab_size * config.hidden_size
 
 
-def auto_micro_batch(model, n: int, length: int, checkpointing: bool) -> int:
-    """The default --micro-batch: on CUDA `micro_batch_fitting` the memory available the first time these shapes
-    are seen, remembered, so that every step of the same shapes splits the same way; elsewhere N (on a CPU memory
-    is the host's, and the whole batch is what the shipped runs were made with)."""
-    device = next(model.parameters()).device
-    config = getattr(model, "config", None)
-    if device.type != "cuda" or not hasattr(config, "num_hidden_layers"):
-        return n
-    chosen = _MICRO_BATCHES.setdefault(model, {})
-    key = (n, length, checkpointing)
-    if key not in chosen:
-        chosen[key] = micro_batch_fitting(config, n, length, checkpointing, available_bytes(device))
-    return chosen[key]
-
-
-def auto_sample_rows(model, rows: int, length: int) -> int:
-    """The default --sample-rows for a cycle of `rows` completions of up to `length` tokens (prompt and completion):
-    on CUDA as many as `sample_rows_fitting` half the memory available, at most `rows`; elsewhere `rows`, the cycle
-    in one call ([A]'s point: a stale sampler batches the work of v steps at once)."""
-    device = next(model.parameters()).device
-    config = getattr(model, "config", None)
-    if device.type != "cuda" or not hasattr(config, "num_hidden_layers"):
-        return rows
-    return min(rows, sample_rows_fitting(config, length, available_bytes(device)))
-
-
-def sample_rows_fitting(config, length: int, free_bytes: int, share: float = 0.5) -> int:
-    """The rows whose sampling state fits `share` of `free_bytes`, at least 1. A row keeps its KV cache, 2 (K and V)
-    x layers x kv_heads x head_dim x `length` values in bfloat16, and its share of the sampling chain's float32
-    (N, V) tensors (the logits, log-probs, probabilities and the draw's: about 8 alive at once)."""
+def kv_bytes_per_row(config, length: int, dtype: torch.dtype) -> int:
+    """One row's KV cache of `length` tokens in `dtype` (the autocast dtype under autocast, the weights' otherwise:
+    float32 in a float32 run):  2 (K and V) x layers x kv_heads x head_dim x length x dtype's bytes."""
     layers, heads = config.num_hidden_layers, config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    per_row = 2 * layers * kv_heads * head_dim * length * 2 + 8 * config.vocab_size * 4
-    return max(1, int(share * free_bytes) // per_row)
+    return 2 * layers * kv_heads * head_dim * length * torch.empty((), dtype=dtype).element_size()
 
 
-def available_bytes(device) -> int:
-    """What a pass can allocate: the driver's free memory and what PyTorch's caching allocator holds unused. The
-    driver alone counts the cache as taken, so after a first step it would see less and size another way."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+def sample_bytes_per_row(config, length: int, dtype: torch.dtype) -> int:
+    """A sampled row's memory: its KV cache (kv_bytes_per_row) and its share of the sampling chain's float32 (N, V)
+    tensors (the logits, log-probs, probabilities and the draw's: about 8 alive at once):  KV + 8 x V x 4."""
+    return kv_bytes_per_row(config, length, dtype) + 8 * config.vocab_size * 4
 
 
-def micro_batch_fitting(config, n: int, length: int, checkpointing: bool, free_bytes: int, share: float = 0.5) -> int:
-    """The largest divisor of N whose rows of `length` tokens keep their activations within `share` of
-    `free_bytes` (the rest: the logits' chunks, the optimizer's first step, the allocator's slack)."""
-    per_row = length * activation_bytes_per_token(config, checkpointing)
-    return largest_divisor_within(n, int(share * free_bytes) // per_row)
+def plannable_bytes(available: int, pending: int = 0) -> int:
+    """U = (1 - HEADROOM) x A - pending: what a default may plan on, of the A bytes the process may allocate."""
+    return max(0, int((1 - HEADROOM) * available) - pending)
+
+
+def micro_batch_fitting(
+    config, n: int, length: int, checkpointing: bool, available: int, dtype: torch.dtype, pending: int = 0
+) -> int:
+    """The largest divisor of N (at least 1) whose rows of `length` tokens keep their activations within what a
+    default may plan on of `available` bytes, less the head's chunks:  rows x length x
+    activation_bytes_per_token  <=  plannable_bytes(available, pending) - head_bytes."""
+    per_row = length * activation_bytes_per_token(config, checkpointing, dtype)
+    return largest_divisor_within(n, (plannable_bytes(available, pending) - head_bytes(config)) // per_row)
+
+
+def sample_rows_fitting(config, length: int, available: int, dtype: torch.dtype, pending: int = 0) -> int:
+    """The most rows (at least 1) whose sampling state fits SAMPLE_SHARE of what a default may plan on:
+    rows x sample_bytes_per_row  <=  SAMPLE_SHARE x plannable_bytes(available, pending)."""
+    per_row = sample_bytes_per_row(config, length, dtype)
+    return max(1, int(SAMPLE_SHARE * plannable_bytes(available, pending)) // per_row)
 
 
 def largest_divisor_within(n: int, limit: int) -> int:
     """The largest divisor of n that is <= limit, and at least 1."""
     return max((d for d in range(1, n + 1) if n % d == 0 and d <= limit), default=1)
+
+
+def memory_available(free: int, total: int, reserved: int, allocated: int, fraction: float = 1.0) -> int:
+    """A: the bytes the process may still allocate. The driver's free memory and what PyTorch's caching allocator
+    holds unused (the driver alone counts that cache as taken: after a first step it would see less and size
+    another way); and under a per-process fraction, what the allocator may still reserve, total x fraction, less
+    what is allocated (the cap binds the allocator's reserved bytes, and its unused cache is reusable)."""
+    return max(0, min(free + reserved - allocated, int(total * fraction) - allocated))
+
+
+# Fractions set through cap_memory, by device index: read back where torch cannot (get_per_process_memory_fraction
+# is torch >= 2.7's).
+_FRACTIONS: dict[int, float] = {}
+
+
+def cap_memory(device, gib: float) -> float:
+    """Cap this process at `gib` GiB of the CUDA device (torch.cuda.set_per_process_memory_fraction(gib / total)),
+    remembered for memory_fraction; returns the fraction (1 when the device holds less than the cap)."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    fraction = min(1.0, gib * 2**30 / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    _FRACTIONS[index] = fraction
+    return fraction
+
+
+def memory_fraction(device) -> float:
+    """The per-process memory fraction of the CUDA device: torch's own where it reads it back, else the one
+    cap_memory set, else 1 (a fraction set straight through torch is unseen there)."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    return float(getter(index)) if getter is not None else _FRACTIONS.get(index, 1.0)
+
+
+def available_bytes(device) -> int:
+    """`memory_available` for the CUDA device as the driver and the caching allocator read now."""
+    free, total = torch.cuda.mem_get_info(device)
+    reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
+    return memory_available(free, total, reserved, allocated, memory_fraction(device))
+
+
+def compute_dtype(model, amp: torch.dtype | None) -> torch.dtype:
+    """The dtype the forward's matmuls run in: the autocast dtype (--dtype bfloat16), else the weights' own."""
+    return amp or next(model.parameters()).dtype
+
+
+def pending_bytes(model, amp: torch.dtype | None) -> int:
+    """What the first update allocates beyond what is allocated now: while no trainable parameter has a gradient
+    yet, each one's gradient (its own bytes) and AdamW's two float32 moments (8 bytes); under autocast, the copies
+    of the float32 matrices its forward caches (the autocast dtype's bytes each). Later the gradients and moments
+    are allocated and the driver counts them."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    state = 0
+    if trainable and all(p.grad is None for p in trainable):
+        state = sum(p.numel() * (p.element_size() + 8) for p in trainable)
+    casts = 0
+    if amp is not None:
+        b = torch.empty((), dtype=amp).element_size()
+        casts = sum(p.numel() * b for p in model.parameters() if p.dtype == torch.float32 and p.dim() == 2)
+    return state + casts
+
+
+# Model -> {shape: the choice made the first time}: every step of the same shapes splits the same way.
+_MICRO_BATCHES = weakref.WeakKeyDictionary()
+_SAMPLE_ROWS = weakref.WeakKeyDictionary()
+
+
+def auto_micro_batch(model, n: int, length: int, checkpointing: bool, amp: torch.dtype | None = None) -> int:
+    """The default --micro-batch: on CUDA `micro_batch_fitting` the memory the process may use the first time these
+    shapes are seen (amp: the autocast dtype, None without), remembered; elsewhere N (on a CPU memory is the
+    host's, and the whole batch is what the shipped runs were made with)."""
+    device = next(model.parameters()).device
+    config = getattr(model, "config", None)
+    if device.type != "cuda" or not hasattr(config, "num_hidden_layers"):
+        return n
+    chosen = _MICRO_BATCHES.setdefault(model, {})
+    key = (n, length, checkpointing, amp)
+    if key not in chosen:
+        dtype, pending = compute_dtype(model, amp), pending_bytes(model, amp)
+        chosen[key] = micro_batch_fitting(config, n, length, checkpointing, available_bytes(device), dtype, pending)
+    return chosen[key]
+
+
+def auto_sample_rows(model, rows: int, length: int, amp: torch.dtype | None = None) -> int:
+    """The default --sample-rows for a cycle of `rows` completions of up to `length` tokens (prompt and completion):
+    on CUDA as many as `sample_rows_fitting` the memory the process may use (amp: the autocast dtype, which the KV
+    cache is kept in), at most `rows`, remembered per shape as the micro-batch is; elsewhere `rows`, the cycle in
+    one call ([A]'s point: a stale sampler batches the work of v steps at once)."""
+    device = next(model.parameters()).device
+    config = getattr(model, "config", None)
+    if device.type != "cuda" or not hasattr(config, "num_hidden_layers"):
+        return rows
+    chosen = _SAMPLE_ROWS.setdefault(model, {})
+    key = (rows, length, amp)
+    if key not in chosen:
+        dtype, pending = compute_dtype(model, amp), pending_bytes(model, amp)
+        chosen[key] = min(rows, sample_rows_fitting(config, length, available_bytes(device), dtype, pending))
+    return chosen[key]
 
 
 class BF16AdamW(torch.optim.Optimizer):

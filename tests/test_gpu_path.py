@@ -453,21 +453,170 @@ def test_evaluation_samples_under_the_training_autocast(warm_cache, tmp_path, mo
     assert loop.__qualname__.startswith("static_sampler"), loop  # --sampling fast: decoding.py's loop, as training
 
 
+# --- the memory defaults: --micro-batch and --sample-rows on CUDA (engine/policy.py's formulas) -------------------
+
+GIB = 2**30
+# Qwen2.5-0.5B's shape (the benchmark's): H = 896, I = 4864, 24 layers, 14 heads of 64, 2 KV heads, V = 151936, tied.
+QWEN_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+)
+# Its parameters by hand: the embedding (the head, tied) V H = 136,134,656; a layer q 896^2 + 896, k and v 896 x 128 +
+# 128 each, o 896^2, the MLP 3 x 896 x 4864, two norms 2 x 896: 14,912,384, x 24; the final norm 896.
+QWEN_PARAMS = 151936 * 896 + 24 * (2 * (896 * 896) + 896 + 2 * (896 * 128 + 128) + 3 * 896 * 4864 + 2 * 896) + 896
+QWEN_MATRICES = QWEN_PARAMS - 24 * (896 + 2 * 128) - (24 * 2 * 896 + 896)  # without the biases and norms
+PER_TOKEN = 24 * (2 * (6 * 896 + 4 * 4864) + 16 * 896)  # bf16 matmuls: 1,536,000 bytes a token
+HEAD = 4 * 1024 * 151936 * 4 + 4 * 151936 * 896  # 4 (1024, V) float32 blocks and grad_w
+KV_ROW = 2 * 24 * 2 * 64 * 384 * 2  # a row's bf16 KV cache at 128 + 256 tokens: 4,718,592 bytes
+SAMPLE_ROW = KV_ROW + 8 * 151936 * 4  # and 8 float32 vocabulary rows of the chain: 9,580,544 bytes
+
+
+class FakeParam:  # a parameter as the sizing reads one: on a CUDA device, no gradient yet
+    def __init__(self, numel, dtype=torch.float32, dim=2):
+        self.device, self.dtype, self.requires_grad, self.grad = torch.device("cuda"), dtype, True, None
+        self._n, self._dim = numel, dim
+
+    def numel(self):
+        return self._n
+
+    def element_size(self):
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def dim(self):
+        return self._dim
+
+
+class OnCuda:  # a model as auto_micro_batch and auto_sample_rows read one: its config, parameters on a CUDA device
+    def __init__(self, dtype=torch.float32, params=(QWEN_MATRICES, QWEN_PARAMS - QWEN_MATRICES)):
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(**QWEN_05B)
+        self.params = [FakeParam(params[0], dtype), FakeParam(params[1], dtype, dim=1)]
+
+    def parameters(self):
+        return iter(self.params)
+
+
+def fake_cuda(monkeypatch, free, total, reserved=0, allocated=0, fraction=1.0):
+    """The driver and the caching allocator as the sizing reads them; returns the dict to change them by."""
+    from engine import policy
+
+    state = dict(free=free, total=total, reserved=reserved, allocated=allocated, fraction=fraction)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (state["free"], state["total"]))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: state["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: state["allocated"])
+    monkeypatch.setattr(policy, "memory_fraction", lambda device: state["fraction"])
+    monkeypatch.setattr(policy, "_MICRO_BATCHES", {})
+    monkeypatch.setattr(policy, "_SAMPLE_ROWS", {})
+    return state
+
+
+def test_the_memory_rules_of_thumb_are_the_formulas_written_beside_them():
+    from types import SimpleNamespace
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from engine import policy
+
+    qwen = SimpleNamespace(**QWEN_05B)
+    assert QWEN_PARAMS == 494_032_768 and PER_TOKEN == 1_536_000
+    assert policy.activation_bytes_per_token(qwen, False, torch.bfloat16) == PER_TOKEN
+    # float32 matmuls: 4 bytes where bf16's are 2; the residual stream is float32 either way.
+    assert policy.activation_bytes_per_token(qwen, False, torch.float32) == 24 * (4 * (6 * 896 + 4 * 4864) + 16 * 896)
+    assert policy.activation_bytes_per_token(qwen, True, torch.bfloat16) == 4 * 896 * 24 + PER_TOKEN // 24
+    assert policy.head_bytes(qwen) == HEAD
+    # The KV cache in the run's dtype: a float32 run keeps float32 keys and values, twice bf16's (it was taken as bf16).
+    assert policy.kv_bytes_per_row(qwen, 384, torch.bfloat16) == KV_ROW == 4_718_592
+    assert policy.kv_bytes_per_row(qwen, 384, torch.float32) == 2 * KV_ROW
+    assert policy.sample_bytes_per_row(qwen, 384, torch.float32) == 2 * KV_ROW + 8 * 151936 * 4
+    # What the first update still allocates, read off a real (meta-device) Qwen2: 4-byte gradients and 8 bytes of
+    # moments for each float32 parameter, and bf16 copies of its matrices under autocast.
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(**QWEN_05B))
+    assert sum(p.numel() for p in model.parameters()) == QWEN_PARAMS
+    assert policy.pending_bytes(model, torch.bfloat16) == 12 * QWEN_PARAMS + 2 * QWEN_MATRICES
+    assert policy.pending_bytes(model, None) == 12 * QWEN_PARAMS
+    for p in model.parameters():  # after the first backward the gradients and moments are allocated: none pending
+        p.grad = torch.empty_like(p)
+    assert policy.pending_bytes(model, None) == 0
+
+
+def test_the_memory_the_process_may_use_counts_the_allocators_cache_and_the_per_process_cap():
+    from engine.policy import memory_available
+
+    # The driver counts PyTorch's cached blocks as taken; they are the process's to reuse.
+    assert memory_available(free=40 * GIB, total=141 * GIB, reserved=60 * GIB, allocated=10 * GIB) == 90 * GIB
+    # Capped at 40 GiB of 141 (set_per_process_memory_fraction(40 / 141)): the cap binds, less what is allocated,
+    # however much the device has free.
+    capped = dict(total=141 * GIB, fraction=40 / 141)
+    assert memory_available(free=120 * GIB, reserved=12 * GIB, allocated=10 * GIB, **capped) == 30 * GIB
+    # Another process holding most of the device: its free memory binds, under the cap.
+    assert memory_available(free=5 * GIB, reserved=12 * GIB, allocated=10 * GIB, **capped) == 7 * GIB
+
+
+@pytest.mark.parametrize(
+    "gib, cycle_rows, rows, micro_batch",
+    [
+        (24, 512, 512, 8),
+        (24, 2048, 606, 8),
+        (40, 512, 512, 32),
+        (40, 2048, 1368, 16),
+        (80, 512, 512, 64),
+        (80, 2048, 2048, 64),
+    ],
+)
+def test_the_memory_defaults_fit_a_24_40_and_80_gb_device(monkeypatch, gib, cycle_rows, rows, micro_batch):
+    # The benchmark's first step (Qwen2.5-0.5B shape, bf16 autocast, float32 weights, 64 x 8 rows of 128 + 256, beta
+    # > 0) on a device of `gib` GiB, or a bigger one capped at it: the weights and pi_ref allocated (8 bytes a
+    # parameter), the refresh samples a cycle of `cycle_rows` rows (v = 1: 512, v = 4: 2048), its static decoder keeps
+    # the KV cache and a bf16 copy of the matrices, then the update is sized from what is left.
+    # By hand at 40 GiB and v = 1: A = 40 GiB - 3.95 GB = 38.99 GB; U = 0.85 A - pending 6.92 GB = 26.22 GB; half of
+    # it holds 26.22e9 / 2 // 9,580,544 = 1368 rows: the 512. Then A = 40 GiB - 3.95 - 512 x 4.72 MB - 0.99 GB =
+    # 35.59 GB; U = 0.85 A - 6.92 GB = 23.33 GB; less the head's 3.03 GB, 20.30 GB holds 20.30e9 // (384 x 1,536,000)
+    # = 34 rows: the micro-batch is 32, the largest divisor of 512 within.
+    from engine import policy
+
+    total = 141 * GIB
+    weights = 2 * 4 * QWEN_PARAMS  # pi_theta and pi_ref, float32
+    state = fake_cuda(monkeypatch, free=total - weights, total=total, reserved=weights, allocated=weights)
+    state["fraction"] = gib * GIB / total
+    model, pending = OnCuda(), 12 * QWEN_PARAMS + 2 * QWEN_MATRICES
+    available = policy.available_bytes("cuda")
+    assert available == gib * GIB - weights
+    assert policy.auto_sample_rows(model, cycle_rows, 384, torch.bfloat16) == rows
+    assert weights + rows * SAMPLE_ROW <= weights + policy.SAMPLE_SHARE * (0.85 * available - pending)
+    # What sampling left: its KV cache and bf16 matrices stay with the static decoder; the chain's blocks are cached.
+    kept = rows * KV_ROW + 2 * QWEN_MATRICES
+    reserved = weights + rows * SAMPLE_ROW + 2 * QWEN_MATRICES
+    state.update(free=total - reserved, reserved=reserved, allocated=weights + kept)
+    assert policy.auto_micro_batch(model, 512, 384, False, torch.bfloat16) == micro_batch
+    peak = weights + kept + pending + micro_batch * 384 * PER_TOKEN + HEAD  # the update's, by the rules of thumb
+    assert peak <= gib * GIB - 0.15 * (gib * GIB - weights - kept)  # the headroom is left over
+    if micro_batch < 512:  # and the next divisor would not have fitted what the defaults may plan on
+        assert weights + kept + pending + 2 * micro_batch * 384 * PER_TOKEN + HEAD > gib * GIB - 0.15 * (
+            gib * GIB - weights - kept
+        )
+
+
 def test_the_default_micro_batch_is_the_largest_divisor_whose_activations_fit():
     from types import SimpleNamespace
 
-    from engine.policy import activation_bytes_per_token, auto_micro_batch, micro_batch_fitting
+    from engine.policy import auto_micro_batch, micro_batch_fitting
 
-    # Qwen2.5-0.5B's shape: H = 896, I = 4864, 24 layers.
-    qwen = SimpleNamespace(hidden_size=896, intermediate_size=4864, num_hidden_layers=24)
-    per_token = 24 * (2 * (6 * 896 + 4 * 4864) + 16 * 896)  # 1,536,000 bytes a token
-    assert activation_bytes_per_token(qwen, checkpointing=False) == per_token
-    assert activation_bytes_per_token(qwen, checkpointing=True) == 4 * 896 * 24 + per_token // 24
-    # 512 rows of 384 tokens (GSM8K-sized) with 100 GB free: half of it holds 84 rows; the largest divisor is 64.
-    assert 50e9 // (384 * per_token) == 84
-    assert micro_batch_fitting(qwen, 512, 384, False, free_bytes=100 * 10**9) == 64
-    assert micro_batch_fitting(qwen, 512, 384, True, free_bytes=100 * 10**9) == 512  # checkpointing: all of it
-    assert micro_batch_fitting(qwen, 512, 384, False, free_bytes=10**6) == 1  # never 0
+    qwen = SimpleNamespace(**QWEN_05B)
+    # 512 rows of 384 tokens with 100 GB available and nothing pending: 0.85 x 100e9 - HEAD = 81.97e9 holds 138 rows;
+    # the largest divisor is 128.
+    assert (85 * 10**9 - HEAD) // (384 * PER_TOKEN) == 138
+    assert micro_batch_fitting(qwen, 512, 384, False, 100 * 10**9, torch.bfloat16) == 128
+    assert micro_batch_fitting(qwen, 512, 384, True, 100 * 10**9, torch.bfloat16) == 512  # checkpointing: all of it
+    assert micro_batch_fitting(qwen, 512, 384, False, 10**6, torch.bfloat16) == 1  # never 0
+    # float32 matmuls keep more a token: fewer rows from the same memory.
+    assert micro_batch_fitting(qwen, 512, 384, False, 100 * 10**9, torch.float32) == 64
     # On a CPU the whole batch, as the shipped runs were made.
     assert auto_micro_batch(torch.nn.Linear(2, 2), 128, 40, False) == 128
 
@@ -475,46 +624,37 @@ def test_the_default_micro_batch_is_the_largest_divisor_whose_activations_fit():
 def test_the_default_micro_batch_counts_the_allocators_cache_and_stays_the_same_for_the_same_shapes(monkeypatch):
     # On CUDA the driver counts PyTorch's cached blocks as taken: after a first step it reports less free memory,
     # though the cache is free to reuse. The choice counts that cache, and is remembered per shape.
+    from engine import policy
+
+    model = OnCuda(params=(1, 1))  # a negligible pending state: the hand-computed case above
+    driver = fake_cuda(monkeypatch, free=100 * 10**9, total=140 * 10**9)
+    assert policy.available_bytes("cuda") == 100 * 10**9
+    first = policy.auto_micro_batch(model, 512, 384, False, torch.bfloat16)
+    assert first == 128  # as the hand-computed case above, from 100 GB
+    driver.update(free=40 * 10**9, reserved=60 * 10**9, allocated=0)  # the first step's blocks, cached and unused
+    assert policy.available_bytes("cuda") == 100 * 10**9  # the cache counts as available
+    driver.update(free=10**9, reserved=0, allocated=0)  # whatever the memory reads later, the same shapes split alike
+    assert policy.auto_micro_batch(model, 512, 384, False, torch.bfloat16) == first
+    assert policy.auto_micro_batch(model, 512, 128, False, torch.bfloat16) != first  # another shape: sized afresh
+
+
+def test_the_default_sample_rows_take_the_whole_cycle_where_it_fits_and_count_a_float32_cache_at_4_bytes(monkeypatch):
+    # A stale sampler batches its cycle: on a CPU all v x B x G rows in one call; on CUDA as many as half of what the
+    # defaults may plan on holds. 100 GB available, nothing pending: 0.5 x 85e9 // 9,580,544 = 4436 rows in bf16; a
+    # float32 run's KV cache takes 4 bytes a value, so fewer: 0.5 x 85e9 // (2 x 4,718,592 + 4,861,952) = 2972.
     from types import SimpleNamespace
 
     from engine import policy
 
-    class OnCuda:  # a model as auto_micro_batch reads one: its config, and parameters on a CUDA device
-        config = SimpleNamespace(hidden_size=896, intermediate_size=4864, num_hidden_layers=24)  # Qwen2.5-0.5B
-
-        def parameters(self):
-            return iter([SimpleNamespace(device=torch.device("cuda"))])
-
-    model = OnCuda()
-    driver = {"free": 100 * 10**9, "reserved": 0, "allocated": 0}
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (driver["free"], 140 * 10**9))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: driver["reserved"])
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: driver["allocated"])
-    monkeypatch.setattr(policy, "_MICRO_BATCHES", {})
-    assert policy.available_bytes("cuda") == 100 * 10**9
-    first = policy.auto_micro_batch(model, 512, 384, False)
-    assert first == 64  # as the hand-computed case above, from 100 GB
-    driver.update(free=40 * 10**9, reserved=60 * 10**9, allocated=0)  # the first step's blocks, cached and unused
-    assert policy.available_bytes("cuda") == 100 * 10**9  # the cache counts as available
-    driver.update(free=10**9, reserved=0, allocated=0)  # whatever the memory reads later, the same shapes split alike
-    assert policy.auto_micro_batch(model, 512, 384, False) == first
-    assert policy.auto_micro_batch(model, 512, 128, False) != first  # another shape is sized afresh (from 1 GB)
-
-
-def test_the_default_sample_rows_take_the_whole_cycle_where_it_fits():
-    # A stale sampler batches its cycle: on a CPU all v x B x G rows in one call; on CUDA as many as half the memory
-    # available holds. Qwen2.5-0.5B's shape, prompt 128 + 256 tokens: per row a KV cache of 2 x 24 x 2 x 64 x 384
-    # bfloat16 values (4.7 MB) and 8 float32 vocabulary rows (151936 x 4 x 8 = 4.9 MB), so 100 GB free holds
-    # 50e9 // 9,580,544 = 5218 rows: a v = 4 cycle of 64 x 8 x 4 = 2048 rows in one call.
-    from types import SimpleNamespace
-
-    from engine.policy import auto_sample_rows, sample_rows_fitting
-
-    qwen = SimpleNamespace(
-        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936
-    )
-    per_row = 2 * 24 * 2 * 64 * 384 * 2 + 8 * 151936 * 4
-    assert per_row == 9_580_544
-    assert sample_rows_fitting(qwen, 384, free_bytes=100 * 10**9) == 50 * 10**9 // per_row == 5218
-    assert sample_rows_fitting(qwen, 384, free_bytes=10**6) == 1  # never 0
-    assert auto_sample_rows(torch.nn.Linear(2, 2), 2048, 384) == 2048  # a CPU: the whole cycle
+    qwen = SimpleNamespace(**QWEN_05B)
+    assert SAMPLE_ROW == 9_580_544
+    assert policy.sample_rows_fitting(qwen, 384, 100 * 10**9, torch.bfloat16) == 425 * 10**8 // SAMPLE_ROW == 4436
+    assert policy.sample_rows_fitting(qwen, 384, 100 * 10**9, torch.float32) == 425 * 10**8 // 14_299_136 == 2972
+    assert policy.sample_rows_fitting(qwen, 384, 10**6, torch.bfloat16) == 1  # never 0
+    assert policy.auto_sample_rows(torch.nn.Linear(2, 2), 2048, 384) == 2048  # a CPU: the whole cycle
+    # Through auto_sample_rows: --dtype float32 (no autocast, float32 weights) sizes a float32 cache.
+    fake_cuda(monkeypatch, free=100 * 10**9, total=140 * 10**9)
+    model = OnCuda(params=(1, 1))
+    assert policy.auto_sample_rows(model, 8192, 384, None) == 2972
+    assert policy.auto_sample_rows(model, 8192, 384, torch.bfloat16) == 4436
+    assert policy.auto_sample_rows(model, 2048, 384, torch.bfloat16) == 2048  # a v = 4 cycle in one call
