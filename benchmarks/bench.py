@@ -15,8 +15,14 @@ The timed step is train.py's own, `train.grpo_step`; its phases are the ones it 
 With v > 1 the steps of a cycle differ (the refresh does the sampling), so the figure to compare is the mean
 over whole cycles: --warmup and --steps are rounded up to multiples of v, and each phase's mean is printed,
 then, as the last line, one JSON object: step_s_mean (mean seconds per step), step_s (the median), phases
-(means), tokens_per_s, peak_mem_gb (CUDA: peak allocated; CPU: peak resident set). Several values of
+(means), tokens_per_s, peak_mem_gb and peak_reserved_gb (CUDA: torch.cuda.max_memory_allocated and
+max_memory_reserved, the allocator's blocks in use and all it holds, which an out-of-memory error is decided
+against; CPU: both the process's peak resident set, VmHWM, as `memory_measure` says). Several values of
 --offpolicy-steps or --alpha-logp-from run one process each, one after the other, and end with a table.
+
+`--memory-cap-gb G` caps the process at G GiB of the GPU (torch.cuda.set_per_process_memory_fraction(G GiB /
+total), engine.policy.cap_memory) before the model loads, so that the default micro-batch and sample rows are sized
+as on a G GiB device (engine.policy.available_bytes); on a CPU it is a no-op, and says so.
 
 Where it departs from a training run, so that runs are comparable:
   1. Every completion runs to --max-new-tokens (no early EOS), so each step does the same work.
@@ -56,10 +62,10 @@ from benchmarks.token_timings import KEYS as TOKEN_KEYS
 from benchmarks.token_timings import head_timings, token_timings
 from benchmarks.trl_bench import subclass_step_times, trl_step_times
 from bookkeeping.metrics import clock
-from bookkeeping.run_io import current_memory_gb, peak_memory_gb, reset_peak_memory
+from bookkeeping.run_io import current_memory_gb, peak_memory_gb, peak_reserved_gb, reset_peak_memory
 from config import Config, ConfigError, add_flags, resolve, validate
 from engine.decoding import sampling_path
-from engine.policy import autocast, gguf_file, load_gguf, make_models
+from engine.policy import autocast, cap_memory, gguf_file, load_gguf, make_models, memory_fraction
 from train import grpo_step
 
 PRESETS = {  # random-weight models with a real model's shape
@@ -86,6 +92,11 @@ PRESETS["qwen2.5-1.5b-random"] = dict(
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: benchmarks/ is one level down
 QWEN_TOKENIZER = os.path.join(ROOT, "..", "shared", "data", "qwen2-tokenizer")
 PHASES = ["sample", "score", "logprob", "update"]
+# What peak_mem_gb and peak_reserved_gb measure, by whether the device is CUDA (bookkeeping.run_io).
+MEMORY_MEASURE = {
+    True: "cuda: torch.cuda.max_memory_allocated, max_memory_reserved",
+    False: "cpu: the process's peak resident set (VmHWM) for both",
+}
 
 
 # train.py's flags that the benchmark takes as they are (config.add_flags), and its smaller default sizes.
@@ -125,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default="tiny", help=f"tiny (random weights), {', '.join(PRESETS)}, a folder, GGUF or hub id"
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--memory-cap-gb",
+        type=float,
+        default=None,
+        help="cap the process at this many GiB of the GPU (torch.cuda.set_per_process_memory_fraction), as on a "
+        "smaller device; the memory defaults are sized from it (default: no cap; a no-op on a CPU)",
+    )
     # --- the step: train.py's own flags, with smaller defaults -------------------------------------------------
     add_flags(p.add_argument_group("train.py's flags"), TRAIN_FLAGS, defaults=TRAIN_DEFAULTS)
     p.add_argument("--prompt-len", type=int, default=32, help="P, tokens per prompt (random ids)")
@@ -260,10 +278,11 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
         prompts = [make_prompts(tok, words, cfg.prompts_per_step, args.prompt_len, rng)[0].to(device) for _ in range(n)]
         return [(p, torch.ones_like(p), reward_fn) for p in prompts]  # (B, P) each, no padding
 
-    rows, cycle, peaks, update_gb = [], None, [], []
+    rows, cycle, peaks, reserved_peaks, update_gb = [], None, [], [], []
 
     def measured_update(*a, **kw):  # train.update, and the memory it adds at its peak: what checkpointing shrinks
-        peaks.append(peak_memory_gb(device))  # the peak so far survives the reset below
+        peaks.append(peak_memory_gb(device))  # the peaks so far survive the reset below
+        reserved_peaks.append(peak_reserved_gb(device))
         before = current_memory_gb(device)
         reset_peak_memory(device)
         out = plain_update(*a, **kw)
@@ -283,6 +302,7 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
             if k == warmup:
                 reset_peak_memory(device)
                 peaks.clear()
+                reserved_peaks.clear()
                 calls.clear()
             t = clock(device)
             res, cycle = grpo_step(cfg, models, tok, k, gen, cycle, draw, ignore_eos=True)
@@ -302,6 +322,7 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
         "phases": {p: mean(p) for p in PHASES},
         "tokens_per_s": mean("tokens") / mean("step"),
         "peak_mem_gb": max([peak_memory_gb(device), *peaks]),
+        "peak_reserved_gb": max([peak_reserved_gb(device), *reserved_peaks]),
         "update_mem_gb": max(update_gb[-steps:]) if update_gb else 0.0,
         # A refresh samples its cycle's batches: the tokens of the timed steps over their sampling seconds.
         "sample_tokens_per_s": sum(r["tokens"] for r in rows) / max(sum(r["sample"] for r in rows), 1e-9),
@@ -379,6 +400,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.warmup < 0 or args.prompt_len < 1:
         raise SystemExit("error: --steps must be >= 1, --warmup >= 0, --prompt-len >= 1")
     device = torch.device(cfg.device)
+    if args.memory_cap_gb is not None:
+        if args.memory_cap_gb <= 0:
+            raise SystemExit(f"error: --memory-cap-gb {args.memory_cap_gb:g} must be > 0")
+        if device.type == "cuda":
+            fraction = cap_memory(device, args.memory_cap_gb)
+            print(f"memory cap: {args.memory_cap_gb:g} GiB of the GPU, per-process memory fraction {fraction:.4f}")
+        else:
+            print(f"memory cap: --memory-cap-gb {args.memory_cap_gb:g} is a no-op on the CPU (the cap is CUDA's)")
     use_trl = args.vs_trl or args.trl_subclass
     try:
         import trl  # noqa: F401
@@ -423,10 +452,10 @@ def main(argv: list[str] | None = None) -> int:
     for p in PHASES:
         print(f"{p:<10}{ours['phases'][p]:>10.4f}{ours['phases'][p] / ours['step_s_mean']:>8.1%}")
     print(f"{'step':<10}{ours['step_s_mean']:>10.4f}   (median {ours['step_s']:.4f})")
-    print(
-        f"tokens/s {ours['tokens_per_s']:.0f}, peak memory {ours['peak_mem_gb']:.2f} GB, "
-        f"the update's own {ours['update_mem_gb']:.2f} GB"
-    )
+    peak = f"peak memory {ours['peak_mem_gb']:.2f} GB allocated, {ours['peak_reserved_gb']:.2f} GB reserved"
+    if device.type != "cuda":
+        peak = f"peak resident set {ours['peak_mem_gb']:.2f} GB (a CPU: no allocator cache, reserved is the same)"
+    print(f"tokens/s {ours['tokens_per_s']:.0f}, {peak}, the update's own {ours['update_mem_gb']:.2f} GB")
     mismatch = "-" if ours["sampler_mismatch"] is None else f"{ours['sampler_mismatch']:.2e}"
     baseline = "" if generate_tps is None else f"; model.generate on the same shapes {generate_tps:.0f} tokens/s"
     print(f"sampling {ours['sample_tokens_per_s']:.0f} tokens/s{baseline}; sampler_mismatch {mismatch}")
@@ -442,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
             f"ms per 1,000 scored tokens of the LM head, forward and backward: chunked {ms['head']:.2f}, "
             f"textbook {ms['head_textbook']:.2f}"
         )
-    keys = ("step_s", "phases", "tokens_per_s", "peak_mem_gb", "update_mem_gb", "sampling_path", "step_s_mean")
+    keys = ("step_s", "phases", "tokens_per_s", "peak_mem_gb", "peak_reserved_gb", "update_mem_gb", "sampling_path")
+    keys += ("step_s_mean",)
     keys += ("timed_steps", "sample_tokens_per_s", "sampler_mismatch", "sample_calls_per_cycle")
     result = {k: ours[k] for k in keys}
     if generate_tps is not None:
@@ -463,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
         micro_batch=ours["micro_batch"],
         steps=args.steps,
         fit=fit_name(cfg),
+        memory_measure=MEMORY_MEASURE[device.type == "cuda"],
+        memory_cap_gb=args.memory_cap_gb if device.type == "cuda" else None,
+        memory_fraction=memory_fraction(device) if device.type == "cuda" else None,
     )
     if use_trl:
         print(json.dumps(result), flush=True)  # ours, in case TRL does not finish; the full line follows
@@ -474,8 +507,9 @@ def main(argv: list[str] | None = None) -> int:
             reset_peak_memory(device)  # CPU: TRL's own high-water mark, from what is resident once ours is freed
             theirs = trl_step_times(cfg, model_dir, tok, trl_prompts(cfg, args, tok, words), args.warmup, args.steps)
             theirs["peak_mem_gb"] = theirs["peak_mem_gb"] or peak_memory_gb(device)
+            theirs["peak_reserved_gb"] = theirs["peak_reserved_gb"] or peak_reserved_gb(device)
         ratio = ours["step_s"] / theirs["step_s"]
-        mem = f", peak memory {theirs['peak_mem_gb']:.2f} GB" if theirs["peak_mem_gb"] is not None else ""
+        mem = f", peak memory {theirs['peak_mem_gb']:.2f} GB allocated, {theirs['peak_reserved_gb']:.2f} GB reserved"
         print(
             f"TRL {theirs['version']} GRPOTrainer: step {theirs['step_s']:.4f} s (median of {theirs['steps']} after "
             f"{args.warmup} warm-up; prompts re-tokenised to {theirs['prompt_len']:.1f} tokens){mem}"
@@ -486,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
             ratio_vs_trl=ratio,
             trl_version=theirs["version"],
             trl_peak_mem_gb=theirs["peak_mem_gb"],
+            trl_peak_reserved_gb=theirs["peak_reserved_gb"],
         )
     print(json.dumps(result), flush=True)
     return 0

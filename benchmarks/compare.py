@@ -26,7 +26,8 @@ def fit_name(cfg) -> str:
 
 def compare(args, argv: list[str], root: str, phases: list[str]) -> int:
     """Every (v, log-alpha way) of the flags, each in a process of its own (a clean peak memory), one after
-    the other, then one table: step_s_mean and its ratio to v = 1, the phases' means, peak memory."""
+    the other, then one table: step_s_mean and its ratio to v = 1, the phases' means, peak memory (allocated and
+    reserved; on a CPU both are the peak resident set)."""
     fits = args.fit or [None]
     runs = [(1, args.alpha_logp_from[0], f) for f in fits] if 1 in args.offpolicy_steps else []
     runs += [(v, a, f) for v in args.offpolicy_steps if v > 1 for a in args.alpha_logp_from for f in fits]
@@ -50,14 +51,14 @@ def compare(args, argv: list[str], root: str, phases: list[str]) -> int:
     print(
         f"\n{'v':>3} {'log alpha':<10}{'fit':<10}{'step_s_mean':>12}{'vs first':>9}"
         + "".join(f"{p:>9}" for p in phases)
-        + f"{'peak GB':>9}{'update GB':>10}"
+        + f"{'peak GB':>9}{'resv GB':>9}{'update GB':>10}"
     )
     for r in results:
         ratio = f"{r['step_s_mean'] / base:.3f}" if base else "—"
         cells = "".join(f"{r['phases'][p]:>9.3f}" for p in phases)
         print(
             f"{r['offpolicy_steps']:>3} {r['alpha_logp_from']:<10}{r['fit']:<10}{r['step_s_mean']:>12.3f}{ratio:>9}"
-            f"{cells}{r['peak_mem_gb']:>9.2f}{r['update_mem_gb']:>10.2f}"
+            f"{cells}{r['peak_mem_gb']:>9.2f}{r['peak_reserved_gb']:>9.2f}{r['update_mem_gb']:>10.2f}"
         )
     print(json.dumps({"runs": results}), flush=True)
     return 0

@@ -27,7 +27,7 @@ import torch
 from transformers import PrinterCallback, TrainerCallback
 
 from bookkeeping.metrics import clock
-from bookkeeping.run_io import peak_memory_gb
+from bookkeeping.run_io import peak_memory_gb, peak_reserved_gb
 
 
 class StepTimer(TrainerCallback):
@@ -105,7 +105,8 @@ def _common(cfg, micro_batch: int, steps: int) -> dict:
 
 
 def trl_step_times(cfg, model_path: str, tok, texts: list[str], warmup: int, steps: int) -> dict:
-    """Stock GRPOTrainer on `texts` (cfg.prompts_per_step per step): median step, TRL's version, peak memory."""
+    """Stock GRPOTrainer on `texts` (cfg.prompts_per_step per step): median step, TRL's version, peak memory
+    (allocated and reserved, CUDA only: on a CPU the caller reads the resident set)."""
     import trl
     from trl import GRPOConfig, GRPOTrainer
 
@@ -122,6 +123,7 @@ def trl_step_times(cfg, model_path: str, tok, texts: list[str], warmup: int, ste
         "version": trl.__version__,
         "prompt_len": statistics.fmean(lens),
         "peak_mem_gb": peak_memory_gb(device) if device.type == "cuda" else None,
+        "peak_reserved_gb": peak_reserved_gb(device) if device.type == "cuda" else None,
     }
 
 
@@ -143,17 +145,18 @@ def _subclass_run(queue, name: str, threads: int, cfg, model_path: str, tok, tex
         cycle = cfg.prompts_per_step * v
         texts = (texts * cycle)[: -(-len(texts) // cycle) * cycle]
         times = _train(OffPolicyGRPOTrainer, OffPolicyGRPOConfig, model_path, tok, texts, warmup, device, **kw)
-    queue.put((times, peak_memory_gb(device)))
+    queue.put((times, peak_memory_gb(device), peak_reserved_gb(device)))
 
 
 def subclass_step_times(cfg, model_path: str, tok, texts: list[str], warmup: int, steps: int) -> dict:
     """Stock GRPOTrainer, then OffPolicyGRPOTrainer at v = 1 and v = 4, on the same model, prompts and sizes.
 
-    Each run is a process of its own (spawned), so that its peak memory (CUDA: allocated; CPU: resident, which
-    includes Python, torch and the model's load) is its own. v = 4 generates one batch for 4 optimizer steps on
-    TRL's schedule (steps_per_generation = 4 * GA) and keeps no copy of the weights: its peak differs from v = 1's
-    only by generating 4 steps' rows at once. Name -> median and mean seconds per step, steps, peak memory (GB);
-    the mean includes the generation steps of v = 4 (choose `steps` a multiple of 4 to cover whole cycles)."""
+    Each run is a process of its own (spawned), so that its peak memory (CUDA: allocated and reserved; CPU:
+    resident, which includes Python, torch and the model's load, for both) is its own. v = 4 generates one batch
+    for 4 optimizer steps on TRL's schedule (steps_per_generation = 4 * GA) and keeps no copy of the weights: its
+    peak differs from v = 1's only by generating 4 steps' rows at once. Name -> median and mean seconds per step,
+    steps, peak memory (GB, allocated and reserved); the mean includes the generation steps of v = 4 (choose
+    `steps` a multiple of 4 to cover whole cycles)."""
     ctx = multiprocessing.get_context("spawn")
     results = {}
     for name in ("TRL GRPOTrainer", "ours v=1", "ours v=4"):
@@ -164,16 +167,18 @@ def subclass_step_times(cfg, model_path: str, tok, texts: list[str], warmup: int
         proc.join()
         if proc.exitcode != 0:
             raise RuntimeError(f"{name}: its process exited with status {proc.exitcode}")
-        times, peak = queue.get(timeout=60)
+        times, peak, reserved = queue.get(timeout=60)
         results[name] = {
             "median_s": statistics.median(times),
             "mean_s": statistics.fmean(times),
             "steps": len(times),
             "peak_mem_gb": peak,
+            "peak_reserved_gb": reserved,
         }
         print(
             f"{name:<16} step median {results[name]['median_s']:.3f} s, mean {results[name]['mean_s']:.3f} s, "
-            f"peak memory {peak:.3f} GB ({len(times)} steps after {warmup} warm-up)",
+            f"peak memory {peak:.3f} GB allocated, {reserved:.3f} GB reserved ({len(times)} steps after {warmup} "
+            "warm-up)",
             flush=True,
         )
     v1, v4 = results["ours v=1"]["peak_mem_gb"], results["ours v=4"]["peak_mem_gb"]

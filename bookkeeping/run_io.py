@@ -235,6 +235,16 @@ def peak_memory_gb(device: torch.device) -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # ru_maxrss is in KiB on Linux
 
 
+def peak_reserved_gb(device: torch.device) -> float:
+    """Peak memory the caching allocator reserved (cuda: torch.cuda.max_memory_reserved, what an out-of-memory error
+    is decided against, allocated blocks and cached ones), or the process's peak resident set (cpu, the same figure
+    as peak_memory_gb: the host's allocator keeps no cache to tell apart), since the start or the last
+    `reset_peak_memory`."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 1e9
+    return peak_memory_gb(device)
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start peak_memory_gb afresh: CUDA's peak statistics, or Linux's resident high-water mark."""
     if device.type == "cuda":

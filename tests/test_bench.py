@@ -69,6 +69,15 @@ def test_last_line_is_json_with_positive_timings():
     assert res["sampling_path"] == "plain" and res["micro_batch"] == 4
     assert res["sample_calls_per_cycle"] == 1  # on a CPU the cycle's v = 2 batches are sampled in one call
     assert any(line.startswith("update") for line in lines)  # the table came first
+    # On a CPU the peak "reserved" is the peak resident set, as the allocated one, and the row says so.
+    assert res["peak_reserved_gb"] == res["peak_mem_gb"] and res["memory_measure"].startswith("cpu: ")
+
+
+def test_a_memory_cap_on_the_cpu_is_a_no_op_that_says_so():
+    lines = run_bench("--memory-cap-gb", "40", "--offpolicy-steps", "1", "--steps", "1", "--warmup", "0")
+    assert sum(line.startswith("memory cap:") and "no-op on the CPU" in line for line in lines) == 1, lines
+    res = json.loads(lines[-1])
+    assert res["step_s"] > 0 and res["memory_cap_gb"] is None and res["memory_fraction"] is None
 
 
 def test_token_timings_report_every_part_beside_its_textbook():

@@ -559,6 +559,25 @@ def test_the_memory_the_process_may_use_counts_the_allocators_cache_and_the_per_
     assert memory_available(free=5 * GIB, reserved=12 * GIB, allocated=10 * GIB, **capped) == 7 * GIB
 
 
+def test_a_memory_cap_sets_the_per_process_fraction_and_is_read_back_where_torch_cannot(monkeypatch):
+    # bench --memory-cap-gb 40 on a 141 GiB device: the fraction 40 / 141; torch < 2.7 has no getter, so the cap
+    # is remembered by engine.policy; a device smaller than the cap is not capped (fraction 1).
+    from types import SimpleNamespace
+
+    from engine import policy
+
+    set_to = {}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=141 * GIB))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: set_to.update({i: f}))
+    monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction", raising=False)
+    monkeypatch.setattr(policy, "_FRACTIONS", {})
+    assert policy.cap_memory("cuda:0", 40) == set_to[0] == 40 / 141
+    assert policy.memory_fraction("cuda:0") == 40 / 141
+    assert policy.cap_memory("cuda:0", 200) == set_to[0] == 1.0
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i: 0.25, raising=False)
+    assert policy.memory_fraction("cuda:0") == 0.25  # torch's own reading wins where it has one
+
+
 @pytest.mark.parametrize(
     "gib, cycle_rows, rows, micro_batch",
     [
