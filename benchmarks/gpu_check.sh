@@ -10,11 +10,15 @@
 #      whole static-cache call, the plain loop and model.generate; the LM head's log-probs against the textbook's)
 #      and stock TRL's GRPOTrainer step where trl is importable; v = 4 as the defaults run it (log alpha recomputed);
 #      v = 4 with log alpha from the sampler (the cycle sampled in one call either way, where memory allows);
+#      cap40: v = 1 at the same shape with the process capped at 40 GiB (bench --memory-cap-gb 40:
+#      torch.cuda.set_per_process_memory_fraction(40 GiB / total)), the default micro-batch and sample rows sized
+#      from the cap (engine.policy.available_bytes): it must take a step, and reports its seconds and peak reserved;
+#      on the CPU (GPU_CHECK_TINY=1) the cap is a no-op that says so;
 #   3. the memory levers (full, gradient checkpointing, LoRA) on the Qwen2.5-1.5B shape;
 #   4. one table, one line a stage (its result and seconds; a bench's seconds per step, sampling tokens/s, ours and
-#      model.generate's, peak memory, sampler_mismatch, TRL's step and the ratio, the micro-batch used; the checks'
-#      counts), v = 4's steps against v = 1's, the ms per token of v = 1, then one JSON line with every stage, every
-#      check and their figures.
+#      model.generate's, peak memory allocated and reserved, sampler_mismatch, TRL's step and the ratio, the
+#      micro-batch used; the checks' counts), v = 4's steps against v = 1's, the ms per token of v = 1, then one JSON
+#      line with every stage, every check and their figures.
 # A stage that fails or runs out of time is reported and the next one runs; the exit status is 1 if any failed. A
 # stage that needs an extra that is not installed (peft for fit-lora, trl for the TRL comparison) says
 # "== <stage>: skipped: <extra> not installed" and does not fail the check.
@@ -29,9 +33,10 @@
 # below is not a measurement (no GPU has run this yet): the issue's estimate of a step at v = 1 on the H200 is about
 # 4-4.5 s (TRL 1.16 measured 17.8 s a step there). Stages, estimate / limit: checks ~30 s / 90 s; v1 (1 warm-up + 2
 # steps, then the token timings: 4 calls of 32 tokens each of the static path, the plain loop and model.generate)
-# ~55 s / 130 s; v4 and v4-sampler (a warm-up cycle and a timed cycle, 8 steps each) ~50 s each / sized from v1's
-# measured step (30 s + 8 steps x 2 x v1's step); fit-plain, fit-ckpt, fit-lora (1.5B shape, one step each: they
-# measure memory) ~15 s / 50 s each: ~230 s in all.
+# ~55 s / 130 s; cap40 (1 warm-up step + 1 timed step under the 40 GiB cap) ~40 s / 75 s; v4 and v4-sampler (a
+# warm-up cycle and a timed cycle, 8 steps each) ~50 s each / sized from v1's measured step (30 s + 8 steps x 2 x
+# v1's step); fit-plain, fit-ckpt, fit-lora (1.5B shape, one step each: they measure memory) ~15 s / 50 s each:
+# ~270 s in all.
 # Where trl is importable its comparison (3 TRL steps, ~60 s) runs inside v1: v1's limit and the deadline grow by
 # 90 s then (380 s), stated in the first lines the script prints.
 #
@@ -142,6 +147,8 @@ bench() {  # bench NAME LIMIT ARGS...: bench.py; its last JSON line (even if cut
 run_saving_json checks 90 benchmarks.gpu_checks --device "$DEVICE"
 [ "${#TRL[@]}" = 0 ] && skip vs-trl trl  # the TRL comparison runs inside v1 where trl is importable
 bench v1 $((130 + TRL_S)) "${SIZES[@]}" --offpolicy-steps 1 --steps 2 --token-timings "${TRL[@]}"
+# The benchmark's shape in 40 GiB (the goal's memory): one warm-up step, one timed; its peak reserved is the figure.
+bench cap40 75 "${SIZES[@]}" --offpolicy-steps 1 --warmup 1 --steps 1 --memory-cap-gb 40
 # One warm-up cycle, then one timed cycle of 4 steps: its refresh samples the 4 batches. Its limit: the process's
 # start (30 s: the model, the graph's capture) and 8 steps at twice v1's measured mean step.
 V4_LIMIT=$("$PY" -c "import json, math, sys
@@ -179,7 +186,7 @@ for line in (out / "gpu_check_stages.tsv").read_text().splitlines():
     name, result, seconds = line.split("\t")
     stages.append(dict(name=name, result=result, seconds=int(seconds), figures=load(name)))
 print(f"{'stage':<19}{'result':<26}{'s':>5}{'step s':>8}{'sample':>8}{'update':>8}{'samp tok/s':>11}{'gen tok/s':>10}"
-      f"{'peak GB':>8}{'mismatch':>10}{'TRL s':>8}{'ours/TRL':>9}  path")
+      f"{'peak GB':>8}{'resv GB':>8}{'mismatch':>10}{'TRL s':>8}{'ours/TRL':>9}  path")
 for s in stages:
     head, r = f"{s['name']:<19}{s['result']:<26}{s['seconds']:>5}", s["figures"]
     if s["name"] == "checks":
@@ -197,9 +204,16 @@ for s in stages:
     mm = f"{mm:>10.2e}" if mm is not None else f"{'-':>10}"
     trl = f"{r['trl_step_s']:>8.2f}{r['ratio_vs_trl']:>9.3f}" if "trl_step_s" in r else f"{'-':>8}{'-':>9}"
     print(f"{head}{r['step_s_mean']:>8.3f}{ph['sample']:>8.3f}{ph['update']:>8.3f}{r['sample_tokens_per_s']:>11.0f}"
-          f"{gen}{r['peak_mem_gb']:>8.1f}{mm}{trl}  {r['sampling_path']}, micro-batch {r['micro_batch']}, "
+          f"{gen}{r['peak_mem_gb']:>8.1f}{r.get('peak_reserved_gb', float('nan')):>8.1f}{mm}{trl}  "
+          f"{r['sampling_path']}, micro-batch {r['micro_batch']}, "
           f"{r.get('sample_calls_per_cycle', 0):g} sampling call(s) a cycle")
 figures = {s["name"]: s["figures"] for s in stages if s["figures"]}
+if "cap40" in figures:
+    r = figures["cap40"]
+    cap = (f"capped at {r['memory_cap_gb']:g} GiB (per-process fraction {r['memory_fraction']:.4f})"
+           if r.get("memory_cap_gb") else "the cap a no-op on the CPU")
+    print(f"cap40, {cap}: step {r['step_s_mean']:.3f} s, peak {r['peak_mem_gb']:.2f} GB allocated, "
+          f"{r['peak_reserved_gb']:.2f} GB reserved ({r['memory_measure']}), micro-batch {r['micro_batch']}")
 if "v1" in figures:
     for name in ("v4", "v4-sampler"):
         if name in figures:

@@ -6,7 +6,9 @@ several timed calls after an untimed one:
     chain            rollout.next_token on (N, V) logits in the forward's dtype, with the static path's draw (the
                      exponential race) and no finiteness check: the per-token math after the logits
     chain_textbook   the same step written by its definitions (tests/test_sampling_chain.py's textbook_step): z / tau,
-                     log_softmax, softmax, the race as p / (-log U), the entropy over the kept set
+                     log_softmax, softmax, the race as p / (-log U), the entropy over the kept set; the truncation
+                     mask only where --top-k / --top-p / --min-p cut, as a user would write it (a mask that keeps
+                     every token is a pass over (N, V) that ours skips: it would flatter ours)
     decode_step      the static decoder's decode step alone (engine/decoding.py): a CUDA graph's replay on a GPU, an
                      eager forward on the CPU
     static_call      a whole sample_static call (prefill, decode steps, chain) over its tokens
@@ -16,7 +18,8 @@ several timed calls after an untimed one:
 and the LM head's log-probs of M scored tokens, forward and backward, in milliseconds per 1,000 tokens:
 
     head             engine.chunked_logprobs.SelectedLogProb (the loop's), on the run's chunk of rows
-    head_textbook    F.linear to the full (M, V) logits, log_softmax, gather, autograd's backward
+    head_textbook    F.linear to the full (M, V) logits, log_softmax, gather, autograd's backward (the truncation mask
+                     likewise only where it cuts)
 
 Each call samples `tokens` new tokens (every row runs to the end: ignore_eos) from B prompts of --prompt-len.
 """
@@ -51,7 +54,7 @@ def median_ms(fn, repeats: int, device) -> float:
 def textbook_chain(logits, cfg, generator):
     """The per-token step by its definitions: what `rollout.next_token` computes in fewer passes."""
     z = logits.float() / cfg.temperature
-    if cfg.truncation is not None:
+    if cfg.truncation is not None and cfg.truncation.cuts:
         z = z.masked_fill(~kept_tokens(z, cfg.truncation), -math.inf)
     logp_all = torch.log_softmax(z, dim=-1)
     p = torch.softmax(z, dim=-1)
@@ -164,7 +167,7 @@ def head_timings(cfg, model, rows: int, chunk: int = 1024, repeats: int = 3) -> 
     def textbook():
         with autocast(cfg, device):
             z = F.linear(hidden, head.weight, head.bias).float() / tau
-            if cfg.truncation is not None:
+            if cfg.truncation is not None and cfg.truncation.cuts:
                 keep = kept_tokens(z, cfg.truncation)
                 keep[torch.arange(rows, device=device), targets] = True
                 z = z.masked_fill(~keep, -math.inf)

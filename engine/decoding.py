@@ -231,9 +231,12 @@ def shared_weights(model, dtype) -> dict[str, torch.Tensor]:
     return per_dtype[dtype]
 
 
-# Model -> {shape key: StaticDecoder}, freed with the model. Evaluation's shape sits beside training's, so neither
-# evicts (and recaptures) the other; the least recently used goes beyond MAX_DECODERS.
+# Model -> {shape key: StaticDecoder}, freed with the model: a weak key, whose entry goes when the model is freed, so
+# a model made later at the same address (id) meets no decoder of the old one. Evaluation's shape sits beside
+# training's, so neither evicts (and recaptures) the other; the least recently used goes beyond MAX_DECODERS.
 _DECODERS = weakref.WeakKeyDictionary()
+# Model -> the tensor_layout its decoders were made for (names, addresses, dtypes, shapes: no tensor, no model held).
+_LAYOUTS = weakref.WeakKeyDictionary()
 MAX_DECODERS = 4
 # Models on which the static-cache path failed: with fast=None they sample plainly.
 _NO_FAST = weakref.WeakSet()
@@ -243,12 +246,29 @@ _NO_GRAPH = weakref.WeakSet()
 _TRIED = weakref.WeakSet()
 
 
+def tensor_layout(model) -> tuple:
+    """Where each tensor a captured decode step reads lives: (name, address, dtype, shape, strides, device) of every
+    parameter and buffer. A graph reads them by address, so it computes this model's step exactly while the layout
+    is the one it was captured on: an address that memory reuse repeats under the same name, dtype, shape and
+    strides holds the very tensor the graph reads. A tensor moved (`.to`, `load_state_dict(assign=True)`,
+    `p.data = ...`) or a changed structure (LoRA's layers wrapped in) changes it."""
+    tensors = (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
+    return tuple((name, t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), str(t.device)) for name, t in tensors)
+
+
 def static_decoder(model, n: int, length: int, device) -> StaticDecoder:
-    """The model's static decoder for N rows and >= `length` columns, kept: its graph is captured once."""
+    """The model's static decoder for N rows and >= `length` columns, kept: its graph is captured once. Kept per
+    model (a weak key) and for one `tensor_layout` of it: when that changes, the model's decoders and their shared
+    weight casts are dropped (they would read memory that is no longer the model's) and made afresh."""
     # Rounded up: prompts of nearby lengths share one graph.
     length = -(-length // 64) * 64
     amp = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-    key = (n, length, str(device), model.training, amp, model.get_input_embeddings().weight.data_ptr())
+    key = (n, length, str(device), model.training, amp)
+    layout = tensor_layout(model)
+    if _LAYOUTS.get(model) != layout:
+        _DECODERS.pop(model, None)
+        _WEIGHTS.pop(model, None)
+        _LAYOUTS[model] = layout
     decoders = _DECODERS.setdefault(model, {})
     if key not in decoders:
         if len(decoders) >= MAX_DECODERS:

@@ -338,6 +338,55 @@ def test_evaluations_shape_does_not_evict_the_training_decoder(tok):
 
 
 @pytest.mark.model
+def test_a_model_whose_tensors_moved_gets_a_new_decoder_even_where_the_embedding_stayed(tok):
+    # A captured graph reads every weight by address. The old key held the embedding's address alone: moving every
+    # other tensor (here a clone each, as `.to` or load_state_dict(assign=True) would) kept that key, and the old
+    # graph would have read freed memory. The layout of every parameter and buffer is the key now.
+    from engine import decoding
+
+    model = tiny_qwen2(tok)
+    sample_both_ways(model, tok)
+    (old,) = decoding._DECODERS[model].values()
+    embedding = model.get_input_embeddings().weight
+    for p in model.parameters():
+        if p is not embedding:
+            p.data = p.data.clone()
+    plain, fast = sample_both_ways(model, tok)
+    assert old not in decoding._DECODERS[model].values() and len(decoding._DECODERS[model]) == 1
+    assert torch.equal(plain.completion_ids, fast.completion_ids)
+    sample_both_ways(model, tok)  # unmoved since: the same decoder again, no recapture
+    assert len(decoding._DECODERS[model]) == 1 and old not in decoding._DECODERS[model].values()
+
+
+@pytest.mark.model
+def test_a_model_freed_and_another_made_at_the_same_addresses_does_not_reuse_the_old_decoder(tok):
+    # The worst case of memory reuse: model B's every parameter and buffer lives where freed model A's did (here by
+    # construction: B takes A's very storages), so their layouts are equal. A's decoders went with A (a weak key):
+    # the old decoder is freed, and B gets one of its own.
+    import gc
+    import weakref
+
+    from engine import decoding
+
+    model = tiny_qwen2(tok)
+    storages = {n: t.data for n, t in (*model.named_parameters(), *model.named_buffers())}
+    sample_both_ways(model, tok)
+    (old,) = decoding._DECODERS[model].values()
+    old_ref, layout = weakref.ref(old), decoding.tensor_layout(model)
+    del model, old
+    gc.collect()  # the decoder refers to itself (its forward's cache keyword): a cycle, freed by the collector
+    assert old_ref() is None, "the freed model's decoder is gone with it"
+    other = tiny_qwen2(tok, seed=1)
+    for n, t in (*other.named_parameters(), *other.named_buffers()):
+        t.data = storages[n]
+    assert decoding.tensor_layout(other) == layout  # the same addresses, names, dtypes and shapes
+    plain, fast = sample_both_ways(other, tok)
+    assert torch.equal(plain.completion_ids, fast.completion_ids)
+    (new,) = decoding._DECODERS[other].values()
+    assert new is not old_ref()
+
+
+@pytest.mark.model
 def test_a_failed_graph_capture_falls_back_to_the_plain_loop_with_one_line(tok, monkeypatch, capsys):
     # The CPU pretends to capture graphs, and the capture fails as it can on a GPU (out of memory, an op that
     # cannot be captured): that call samples on the plain loop, from the same generator state, and later calls too.
