@@ -166,6 +166,16 @@ class Config:
         "verl's Geo-RS, seq_mean_k1)",
         ["token", "sequence", "geometric"],
     )
+    m2_threshold: float | None = arg(
+        None,
+        "M2PO (AReaL's m2_threshold; 0.04 there): the step's tokens of largest (log alpha - log pi_k)^2 leave the "
+        "loss and its normaliser until the mean of the rest is below this (> 0)",
+    )
+    opsm_delta: float | None = arg(
+        None,
+        "OPSM (DeepSeek-V3.2; TRL's off_policy_mask_threshold): a sequence with A < 0 whose mean log alpha - log "
+        "pi_theta exceeds this loses its surrogate term, kept in the normaliser with its KL term, as TRL (>= 0)",
+    )
     kl_estimator: str = arg(
         "k3", "KL estimator: k1 = log(pi_theta/pi_ref), k2 = k1^2 / 2, k3 (Schulman)", ["k1", "k2", "k3"]
     )
@@ -578,6 +588,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError("--is-cap needs --loss grpo --clip-center decoupled and a value >= 1")
     if cfg.is_mask is not None and (cfg.loss != "grpo" or cfg.is_mask < 1):
         raise ConfigError("--is-mask needs --loss grpo and a value >= 1")
+    if cfg.m2_threshold is not None and (cfg.loss != "grpo" or not cfg.m2_threshold > 0):
+        raise ConfigError(f"--m2-threshold {cfg.m2_threshold}: M2PO needs --loss grpo and a threshold > 0")
+    if cfg.opsm_delta is not None and (cfg.loss != "grpo" or not cfg.opsm_delta >= 0):
+        raise ConfigError(f"--opsm-delta {cfg.opsm_delta}: OPSM needs --loss grpo and a delta >= 0")
     if cfg.is_level != "token" and cfg.is_cap is None and cfg.is_mask is None:
         raise ConfigError(f"--is-level {cfg.is_level} sets what --is-cap / --is-mask act on; neither is set")
     if cfg.ref_refresh and cfg.beta == 0:

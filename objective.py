@@ -58,10 +58,11 @@ def policy_loss(
     total: float | None = None,
     weight: torch.Tensor | None = None,
     keep: torch.Tensor | None = None,
+    keep_objective: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """[A]'s clipped off-policy surrogate with a KL penalty, as a loss to minimise (Algorithm 1, the update):
 
-        loss = - agg_{t in K} [ o_t - beta kl_t ]
+        loss = - agg_{t in K} [ s_t o_t - beta kl_t ]
 
         o_t = min(rho_t A, clip(rho_t, lo_t, hi_t) A)                    clip_center "pi_k" or "alpha"
             = w_t min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A)      clip_center="decoupled" (AReaL)
@@ -70,8 +71,10 @@ def policy_loss(
         [lo_t, hi_t] = [max(rho'_t - eps_low, 0), rho'_t + eps_high]   clip_center="pi_k"   ([A]'s f_eps; max: dev. 2)
                      = [1 - eps_low, 1 + eps_high]                     clip_center="alpha"  (PPO)
         w_t = `weight` (a constant: TIS passes min(rho^L, C)), rho'_t when None; 0 on a token keep drops
-        K = the tokens of loss_mask that `keep` keeps (MIS), all of them when None: a dropped token leaves the sum
-            and the normaliser, its KL term too, whatever the centre
+        K = the tokens of loss_mask that `keep` keeps (MIS, M2PO), all of them when None: a dropped token leaves the
+            sum and the normaliser, its KL term too, whatever the centre
+        s_t = `keep_objective` (OPSM): 0 on a token it drops, whose surrogate term alone leaves: the token stays in
+            the normaliser and keeps its KL term, as TRL's off-policy sequence mask does; 1 when None
         kl_t = `kl_penalty`, times rho_t with kl_importance_weight;   agg = `aggregate` over K
 
     [A] centres the clip on where rho stood at the start of the step, so that a stale sampler does not clip a
@@ -83,15 +86,20 @@ def policy_loss(
 
     A: advantages, (N,) or (N, T); clip_eps_high None is clip_eps; a micro-batch passes its whole step's `total`
     (with keep: the kept tokens' count, `corrections.mis_keep_mask`). weight: (N, T) or (N, 1), decoupled centre
-    only; keep: bool (N, T). `corrections.correction_args` computes both for TIS and MIS (rho^L, C and M are
-    defined there). Returns the loss and `loss_stats` over loss_mask's tokens, those keep drops included; the
-    clip fractions never count a dropped token.
+    only; keep: bool (N, T); keep_objective: bool (N, 1) or (N, T). `corrections.correction_args` computes weight and
+    keep for TIS and MIS (rho^L, C and M are defined there), `corrections.m2po_keep_mask` M2PO's keep,
+    `corrections.opsm_keep_mask` OPSM's keep_objective. Returns the loss and `loss_stats` over loss_mask's tokens,
+    those keep and keep_objective drop included; the clip fractions never count a dropped token.
     """
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
     alpha_logp, pi_k_logp, ref_logp = neutral_outside(loss_mask, logp, alpha_logp, pi_k_logp, ref_logp)
     if weight is not None:  # 1 outside the mask, as the ratios there: an inf on padding must not make nan
         weight = torch.where(loss_mask > 0, weight.detach(), 1.0)  # (N, T)
+    term_kept = keep  # the tokens whose surrogate term stays: surrogate zeroes the others' weight, skips their clip
+    if keep_objective is not None:
+        keep_objective = keep_objective.expand_as(logp)  # (N, T)
+        term_kept = keep_objective if keep is None else keep & keep_objective  # (N, T)
     objective, rho, clip_low, clip_high = surrogate(
         logp,
         alpha_logp,
@@ -101,9 +109,11 @@ def policy_loss(
         clip_eps_high=clip_eps_high,
         clip_center=clip_center,
         weight=weight,
-        keep=keep,
+        keep=term_kept,
     )
-    kept = loss_mask if keep is None else loss_mask * keep  # (N, T) MIS: what stays in the loss and its normaliser
+    if keep_objective is not None:  # s_t o_t: where(), so that no value of a dropped o_t reaches the gradient
+        objective = torch.where(keep_objective, objective, torch.zeros_like(objective))  # (N, T)
+    kept = loss_mask if keep is None else loss_mask * keep  # (N, T) MIS, M2PO: what stays in the loss and normaliser
     kl_weight = rho if kl_importance_weight else None
     loss, kl = penalised_loss(
         objective, logp, ref_logp, kept, beta, kl_estimator, agg, max_new_tokens, total, kl_weight

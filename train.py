@@ -35,8 +35,8 @@ off one place, "The options" below: `advantages_of` and `loss_of`.
 Deviations from [A]:
   1. log pi_k gets no forward of its own: until the step's first optimizer step pi_theta *is* pi_k, so the first
      inner step records logp.detach() of its own forward. At a refresh with --alpha-logp-from recompute alpha is
-     pi_k too, and log alpha is that same forward. (MIS on a stale step needs all of pi_k before the first
-     micro-batch, so there pi_k gets a no-grad pass; a refresh step without signal runs no update, and its
+     pi_k too, and log alpha is that same forward. (MIS or M2PO on a stale step needs all of pi_k before the
+     first micro-batch, so there pi_k gets a no-grad pass; a refresh step without signal runs no update, and its
      sampler_mismatch figure costs one forward.)
   2. A step whose batch is missing from the queue (its sampling failed, a checkpoint without one) samples the rest
      of its cycle, steps k, ..., up to the next multiple of v, or with --lag s steps k, ..., k + s, from pi_theta
@@ -88,12 +88,12 @@ from engine.policy import (
     load_policy,
     make_models,
 )
-from objective import aggregation_total, policy_loss
+from objective import aggregation_total, masked_mean, policy_loss
 from problems.prompts import Draw, PromptStream, fit_to_context, load_problems, run_rewards, warn_of_overlap
 from problems.tasks import TaskError, prompt_record, render_prompt
 from problems.user_rewards import RewardError
 from rollout import Queue, Rollout, Sampled, end_ids, generate_batches, sample
-from variants.corrections import correction_args, mis_keep_mask, staleness_stats
+from variants.corrections import correction_args, m2po_keep_mask, mis_keep_mask, opsm_keep_mask, staleness_stats
 from variants.reinforce import opmd_loss, rec_loss
 
 # ---- one step of Algorithm 1 -----------------------------------------------------------------------------------
@@ -257,8 +257,8 @@ def sample_ahead(cfg: Config, policy, tokenizer, k: int, ahead: range, draw, gen
 def update(cfg: Config, policy, opt, batch: Batch, ref_logp) -> tuple[dict, torch.Tensor]:
     """Step 6: mu = --inner-steps optimizer steps on the batch's loss (`loss_of`), each one's gradient accumulated
     over micro-batches of --micro-batch rows. Returns the statistics, averaged over tokens and inner steps, and log
-    pi_k (N, T): the first inner step's log-probs, taken before any optimizer step moved the policy (with MIS on a
-    stale step, `mis_prepass`'s).
+    pi_k (N, T): the first inner step's log-probs, taken before any optimizer step moved the policy (with MIS or
+    M2PO on a stale step, `mask_prepass`'s).
 
     Each micro-batch's loss is divided by the whole step's normaliser (`total`), so their summed gradients equal the
     whole batch's. Dropout is off in every pass (engine.policy.fit_policy), so that pi_theta, pi_k and alpha are one
@@ -270,8 +270,9 @@ def update(cfg: Config, policy, opt, batch: Batch, ref_logp) -> tuple[dict, torc
     micro_batches = [slice(s, s + mb) for s in range(0, n, mb)]
     policy.train(cfg.gradient_checkpointing)  # checkpointing acts in train mode only; dropout is 0 either way
     pi_k_logp, total = None, aggregation_total(loss_mask, cfg.agg, cfg.max_new_tokens)
-    if cfg.is_mask is not None and batch.alpha_logp is not None:
-        pi_k_logp, total = mis_prepass(cfg, policy, batch, micro_batches)
+    m2po_keep = None  # (N, T) the tokens M2PO keeps, the whole step's; None: all (alpha = pi_k: every M2 is 0)
+    if (cfg.is_mask is not None or cfg.m2_threshold is not None) and batch.alpha_logp is not None:
+        pi_k_logp, m2po_keep, total = mask_prepass(cfg, policy, batch, micro_batches)
     stats = StepStats()
     for i in range(cfg.inner_steps):
         opt.zero_grad(set_to_none=True)
@@ -285,7 +286,15 @@ def update(cfg: Config, policy, opt, batch: Batch, ref_logp) -> tuple[dict, torc
             alpha_logp_mb = pi_k_logp_mb if batch.alpha_logp is None else batch.alpha_logp[rows]  # None: a refresh
             ref_logp_mb = None if ref_logp is None else ref_logp[rows]
             loss, st = loss_of(
-                cfg, logp, alpha_logp_mb, pi_k_logp_mb, ref_logp_mb, batch.advantages[rows], loss_mask[rows], total
+                cfg,
+                logp,
+                alpha_logp_mb,
+                pi_k_logp_mb,
+                ref_logp_mb,
+                batch.advantages[rows],
+                loss_mask[rows],
+                total,
+                m2po_keep=None if m2po_keep is None else m2po_keep[rows],
             )
             loss.backward()
             stats.add(loss, st)
@@ -302,6 +311,9 @@ def update(cfg: Config, policy, opt, batch: Batch, ref_logp) -> tuple[dict, torc
     staleness = staleness_stats(
         alpha_logp, pi_k_logp, loss_mask, is_cap=cfg.is_cap, is_mask=cfg.is_mask, is_level=cfg.is_level
     )
+    if cfg.m2_threshold is not None:  # the share of the loss's tokens M2PO dropped, the whole step's
+        dropped = 0 if m2po_keep is None else ((loss_mask > 0) & ~m2po_keep).sum().item()
+        staleness["m2po_masked_frac"] = dropped / max(loss_mask.sum().item(), 1)
     return stats.result(staleness) | {"micro_batch": mb}, pi_k_logp
 
 
@@ -395,13 +407,29 @@ def advantages_of(cfg: Config, rewards: torch.Tensor, gen: torch.Generator) -> t
     return advantages, valid
 
 
-def loss_of(cfg: Config, logp, alpha_logp, pi_k_logp, ref_logp, advantages, loss_mask, total):
+def loss_of(cfg: Config, logp, alpha_logp, pi_k_logp, ref_logp, advantages, loss_mask, total, *, m2po_keep=None):
     """A micro-batch's loss and statistics: [A]'s clipped surrogate with its KL term (objective.policy_loss), where
     another engine's staleness correction enters as the arguments it changes (variants/corrections.py); or, with
-    --loss, one of [B]'s losses (variants/reinforce.py)."""
+    --loss, one of [B]'s losses (variants/reinforce.py). m2po_keep: the micro-batch's rows of M2PO's kept tokens,
+    computed on the whole step (`mask_prepass`); None: all."""
     if cfg.loss == "grpo":
         # correction_args gives TIS's weight and MIS's kept tokens: both None (the plain surrogate) by default.
-        return policy_loss(
+        args = correction_args(
+            alpha_logp,
+            pi_k_logp,
+            loss_mask,
+            clip_center=cfg.clip_center,
+            is_cap=cfg.is_cap,
+            is_mask=cfg.is_mask,
+            is_level=cfg.is_level,
+        )
+        if m2po_keep is not None:  # a token stays where MIS and M2PO both keep it
+            args["keep"] = m2po_keep if args["keep"] is None else args["keep"] & m2po_keep
+        # OPSM: by this forward's pi_theta, so per inner step; a whole sequence, so exact in any micro-batch
+        opsm_keep = (
+            None if cfg.opsm_delta is None else opsm_keep_mask(alpha_logp, logp, advantages, loss_mask, cfg.opsm_delta)
+        )
+        loss, st = policy_loss(
             logp,
             alpha_logp,
             pi_k_logp,
@@ -417,16 +445,12 @@ def loss_of(cfg: Config, logp, alpha_logp, pi_k_logp, ref_logp, advantages, loss
             agg=cfg.agg,
             max_new_tokens=cfg.max_new_tokens,
             total=total,
-            **correction_args(
-                alpha_logp,
-                pi_k_logp,
-                loss_mask,
-                clip_center=cfg.clip_center,
-                is_cap=cfg.is_cap,
-                is_mask=cfg.is_mask,
-                is_level=cfg.is_level,
-            ),
+            keep_objective=opsm_keep,
+            **args,
         )
+        if opsm_keep is not None:  # the share of the loss's tokens whose surrogate term OPSM dropped
+            st["opsm_masked_frac"] = masked_mean((~opsm_keep).expand_as(loss_mask).double(), loss_mask)
+        return loss, st
     if cfg.loss in ("rec", "rec-is"):
         return rec_loss(
             logp,
@@ -452,14 +476,19 @@ def loss_of(cfg: Config, logp, alpha_logp, pi_k_logp, ref_logp, advantages, loss
     )
 
 
-def mis_prepass(cfg: Config, policy, batch: Batch, micro_batches: list[slice]) -> tuple[torch.Tensor, float]:
-    """MIS (--is-mask) on a stale step: log pi_k (N, T) from a no-grad pass over the whole batch, and the loss's
-    normaliser over the tokens MIS keeps. It drops tokens by rho' = pi_k / alpha, and the dropped ones leave the
-    normaliser, so every micro-batch needs pi_k of the whole step before the first one."""
+def mask_prepass(cfg: Config, policy, batch: Batch, micro_batches: list[slice]):
+    """MIS (--is-mask) and M2PO (--m2-threshold) on a stale step: log pi_k (N, T) from a no-grad pass over the whole
+    batch, M2PO's kept tokens (N, T) (None without it), and the loss's normaliser over the tokens both keep. Each
+    drops tokens by pi_k against alpha -- M2PO by a ranking of the whole step's tokens -- and the dropped ones leave
+    the normaliser, so every micro-batch needs pi_k of the whole step before the first one."""
     with evaluating(policy):
         pi_k_logp = torch.cat([completion_logprobs(cfg, policy, batch, rows) for rows in micro_batches])  # (N, T)
     keep = mis_keep_mask(batch.alpha_logp, pi_k_logp, cfg.is_mask, loss_mask=batch.loss_mask, is_level=cfg.is_level)
-    return pi_k_logp, aggregation_total(batch.loss_mask * keep, cfg.agg, cfg.max_new_tokens)
+    m2po_keep = None
+    if cfg.m2_threshold is not None:
+        m2po_keep = m2po_keep_mask(batch.alpha_logp, pi_k_logp, batch.loss_mask, cfg.m2_threshold)  # (N, T)
+        keep = keep & m2po_keep  # (N, T)
+    return pi_k_logp, m2po_keep, aggregation_total(batch.loss_mask * keep, cfg.agg, cfg.max_new_tokens)
 
 
 def queue_batch_bytes(cfg: Config, prompt_len: int) -> int:

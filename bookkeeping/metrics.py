@@ -61,13 +61,15 @@ def reward_metrics(scores: Scores | None, names: list[str]) -> dict:
 
 
 def show(bar, row: dict) -> None:
-    """The key metrics in the progress bar's postfix."""
+    """The key metrics in the progress bar's postfix, and the masked fractions of the masks the run has on."""
+    masked = {f"{m}_masked": f"{row[f'{m}_masked_frac']:.3f}" for m in ("m2po", "opsm") if f"{m}_masked_frac" in row}
     bar.set_postfix(
         reward=f"{row['reward']:.2f}",
         acc=f"{row['accuracy']:.2f}",
         kl=f"{row.get('kl', 0):.3f}",
         clip=f"{row.get('clip_low', 0) + row.get('clip_high', 0):.3f}",
         rho_prime_max=f"{row.get('rho_prime_max', 1):.2f}",  # rho' = pi_k / alpha, not rho
+        **masked,
         tok_s=f"{row['tokens_per_s']:.0f}",
     )
 

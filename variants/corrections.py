@@ -68,12 +68,91 @@ def mis_keep_mask(
     loss_mask's tokens.
 
     It depends on alpha and pi_k only, so a step split into micro-batches computes it once for the whole step and
-    passes `total=aggregation_total(loss_mask * keep, agg, max_new_tokens)` to each micro-batch (train.mis_prepass)."""
+    passes `total=aggregation_total(loss_mask * keep, agg, max_new_tokens)` to each micro-batch (train.mask_prepass)."""
     if is_mask is None:
         return torch.ones_like(alpha_logp, dtype=torch.bool)  # (N, T)
     check_is_mask(is_mask)
     rho_level = level_ratio(pi_k_logp.detach() - alpha_logp.detach(), loss_mask, is_level)
     return mis_band(rho_level, is_mask).expand_as(alpha_logp)  # (N, T)
+
+
+def check_m2_threshold(m2_threshold: float | None) -> None:
+    if m2_threshold is not None and not m2_threshold > 0.0:
+        raise ValueError(
+            f"m2_threshold must be > 0 (M2PO keeps tokens while their mean M2 is below it), got {m2_threshold}"
+        )
+
+
+def check_opsm_delta(delta: float | None) -> None:
+    if delta is not None and not delta >= 0.0:
+        raise ValueError(f"opsm delta must be >= 0 (a bound on a sequence's mean KL(alpha || pi_theta)), got {delta}")
+
+
+def m2po_keep_mask(
+    alpha_logp: torch.Tensor, pi_k_logp: torch.Tensor, loss_mask: torch.Tensor, m2_threshold: float
+) -> torch.Tensor:
+    """The tokens M2PO keeps (Zheng et al. 2025, AReaL's m2_threshold), (N, T) bool, True outside loss_mask: a keep
+    for `objective.policy_loss` with any clip centre (a dropped token leaves the sum and the normaliser).
+
+        M2_t = (log alpha(y_t) - log pi_k(y_t))^2 = (log rho'_t)^2     over the step's loss tokens, n of them
+        sort them descending, M2_(1) >= ... >= M2_(n); drop the first m, keep the rest, where
+        m = the least j with mean(M2_(j+1), ..., M2_(n)) < tau,   or n - 1 when there is none (then M2_(n) >= tau)
+
+    so the kept tokens' second moment is below tau, dropping as few tokens as that takes, the largest first. Ties at
+    the cut leave in the tokens' order (row-major: the earlier leaves first): a stable sort, so the mask does not
+    depend on the sort kernel (AReaL's unstable sort does). The suffix means are float64, a sum over every token of
+    the step. It depends on alpha and pi_k only: one mask for the whole step and all its inner steps, computed before
+    the first micro-batch (train.mask_prepass), where AReaL computes it per micro-batch of its engine.
+    A non-finite M2 (log alpha = -inf) sorts first and leaves; on-policy (alpha = pi_k) every M2 is 0 and all stay.
+    """
+    check_m2_threshold(m2_threshold)
+    valid = (loss_mask > 0).flatten()  # (N*T,)
+    m2 = (alpha_logp.detach().double() - pi_k_logp.detach().double()).square().flatten()[valid]  # (n,)
+    keep = torch.ones_like(valid)  # (N*T,) True outside the loss: the caller multiplies by loss_mask
+    n = m2.numel()
+    if n == 0:
+        return keep.view_as(loss_mask)
+    # nan_to_num: a NaN M2 (inf - inf) sorts as +inf, first, and leaves with the largest
+    m2_sorted, order = torch.sort(m2.nan_to_num(nan=float("inf")), descending=True, stable=True)  # (n,) each
+    # mean of M2_(j+1..n) for j = 0..n-1: the suffix sums, accumulated from the smallest so that an inf among the
+    # largest reaches only the suffixes that hold it
+    suffix_sum = m2_sorted.flip(0).cumsum(0).flip(0)  # (n,)
+    suffix_mean = suffix_sum / torch.arange(n, 0, -1, dtype=suffix_sum.dtype, device=suffix_sum.device)  # (n,)
+    below = suffix_mean < m2_threshold  # (n,)
+    m = int(below.to(torch.int8).argmax()) if bool(below.any()) else n - 1  # how many of the largest leave
+    kept_sorted = torch.arange(n, device=m2.device) >= m  # (n,)
+    kept = torch.empty_like(kept_sorted)
+    kept[order] = kept_sorted  # (n,) back in the tokens' order
+    keep[valid] = kept
+    return keep.view_as(loss_mask)  # (N, T)
+
+
+def opsm_keep_mask(
+    alpha_logp: torch.Tensor,
+    logp: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    delta: float,
+) -> torch.Tensor:
+    """The sequences DeepSeek-V3.2's off-policy sequence masking (OPSM; TRL's off_policy_mask_threshold) keeps, (N, 1)
+    bool ((N, T) for a per-token A): `objective.policy_loss`'s keep_objective, with any clip centre.
+
+        sequence i leaves  iff  A_i < 0  and  D_i > delta,   D_i = (1/n_i) sum_t [log alpha(y_t) - log pi_theta(y_t)]
+
+    D_i is the k1 estimate of KL(alpha || pi_theta) over sequence i's n_i loss tokens (D_i = 0 without one), pi_theta
+    detached: a bad sample the policy has moved away from teaches little and destabilises. As TRL: a dropped
+    sequence's surrogate is 0 but it stays in the normaliser, and its KL term stays (policy_loss's keep_objective);
+    a NaN log-prob (a token that could not be scored) is no evidence (0). pi_theta is the current forward's, so the
+    mask may change from one inner step to the next; a per-sequence mean, it does not depend on the micro-batches.
+    """
+    check_opsm_delta(delta)
+    valid = loss_mask > 0  # (N, T)
+    k1 = alpha_logp.detach().double() - logp.detach().double()  # (N, T) log alpha - log pi_theta
+    k1 = torch.where(valid & ~k1.isnan(), k1, 0.0)  # where(): an inf on padding must not reach the sum
+    d = k1.sum(dim=1, keepdim=True) / valid.sum(dim=1, keepdim=True).clamp(min=1)  # (N, 1) D_i
+    A = advantages.detach()
+    A = A.unsqueeze(1) if A.dim() == 1 else A  # (N, 1) or (N, T)
+    return (A >= 0) | (d <= delta)  # (N, 1) or (N, T)
 
 
 def correction_args(
