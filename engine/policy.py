@@ -171,11 +171,15 @@ def fit_policy(cfg: Config, model):
 #       HEADROOM = 0.15: the allocator's fragmentation (its reserved peak runs above the allocated one) and the
 #       error of the rules of thumb below; pending: what the first update still allocates (pending_bytes)
 #   --micro-batch  the largest divisor of N with  rows x length x activation_bytes_per_token  <=  U - head_bytes
+#       and rows x length <= MICRO_BATCH_TOKENS = 16,384: a micro-batch that size keeps a GPU's matmuls busy
+#       (16k x H x I each), and more rows at once would only spend memory (at the benchmark's shape on an H200 these
+#       rules would plan 128 rows, ~93 GB, where 32 rows plan ~36 GB)
 #   --sample-rows  the most rows with  rows x sample_bytes_per_row  <=  SAMPLE_SHARE x U
 #       SAMPLE_SHARE = 1/2: the static decoder keeps its KV cache through the update, whose micro-batch is sized
 #       afterwards from what sampling left. A 24, 40 or 80 GB device each gets defaults that fit: tests/test_gpu_path.
 HEADROOM = 0.15
 SAMPLE_SHARE = 0.5
+MICRO_BATCH_TOKENS = 16_384
 HEAD_CHUNK = 1024  # rows of the LM head evaluated at once (engine.chunked_logprobs.chunked_token_logprobs' chunk)
 
 
@@ -228,9 +232,11 @@ def micro_batch_fitting(
 ) -> int:
     """The largest divisor of N (at least 1) whose rows of `length` tokens keep their activations within what a
     default may plan on of `available` bytes, less the head's chunks:  rows x length x
-    activation_bytes_per_token  <=  plannable_bytes(available, pending) - head_bytes."""
+    activation_bytes_per_token  <=  plannable_bytes(available, pending) - head_bytes, and rows x length <=
+    MICRO_BATCH_TOKENS."""
     per_row = length * activation_bytes_per_token(config, checkpointing, dtype)
-    return largest_divisor_within(n, (plannable_bytes(available, pending) - head_bytes(config)) // per_row)
+    fits = (plannable_bytes(available, pending) - head_bytes(config)) // per_row
+    return largest_divisor_within(n, min(fits, MICRO_BATCH_TOKENS // length))
 
 
 def sample_rows_fitting(config, length: int, available: int, dtype: torch.dtype, pending: int = 0) -> int:

@@ -634,8 +634,8 @@ def test_a_memory_cap_sets_the_per_process_fraction_and_is_read_back_where_torch
         (24, 2048, 606, 8),
         (40, 512, 512, 32),
         (40, 2048, 1368, 16),
-        (80, 512, 512, 64),
-        (80, 2048, 2048, 64),
+        (80, 512, 512, 32),
+        (80, 2048, 2048, 32),
     ],
 )
 def test_the_memory_defaults_fit_a_24_40_and_80_gb_device(monkeypatch, gib, cycle_rows, rows, micro_batch):
@@ -646,7 +646,8 @@ def test_the_memory_defaults_fit_a_24_40_and_80_gb_device(monkeypatch, gib, cycl
     # By hand at 40 GiB and v = 1: A = 40 GiB - 3.95 GB = 38.99 GB; U = 0.85 A - pending 6.92 GB = 26.22 GB; half of
     # it holds 26.22e9 / 2 // 9,580,544 = 1368 rows: the 512. Then A = 40 GiB - 3.95 - 512 x 4.72 MB - 0.99 GB =
     # 35.59 GB; U = 0.85 A - 6.92 GB = 23.33 GB; less the head's 3.03 GB, 20.30 GB holds 20.30e9 // (384 x 1,536,000)
-    # = 34 rows: the micro-batch is 32, the largest divisor of 512 within.
+    # = 34 rows: the micro-batch is 32, the largest divisor of 512 within. At 80 GiB memory would hold more, and the
+    # ceiling of 16,384 tokens a micro-batch (42 rows of 384) binds: 32 again.
     from engine import policy
 
     total = 141 * GIB
@@ -665,7 +666,7 @@ def test_the_memory_defaults_fit_a_24_40_and_80_gb_device(monkeypatch, gib, cycl
     assert policy.auto_micro_batch(model, 512, 384, False, torch.bfloat16) == micro_batch
     peak = weights + kept + pending + micro_batch * 384 * PER_TOKEN + HEAD  # the update's, by the rules of thumb
     assert peak <= gib * GIB - 0.15 * (gib * GIB - weights - kept)  # the headroom is left over
-    if micro_batch < 512:  # and the next divisor would not have fitted what the defaults may plan on
+    if 2 * micro_batch * 384 <= policy.MICRO_BATCH_TOKENS:  # memory bound: the next divisor would not have fitted
         assert weights + kept + pending + 2 * micro_batch * 384 * PER_TOKEN + HEAD > gib * GIB - 0.15 * (
             gib * GIB - weights - kept
         )
@@ -677,14 +678,18 @@ def test_the_default_micro_batch_is_the_largest_divisor_whose_activations_fit():
     from engine.policy import auto_micro_batch, micro_batch_fitting
 
     qwen = SimpleNamespace(**QWEN_05B)
-    # 512 rows of 384 tokens with 100 GB available and nothing pending: 0.85 x 100e9 - HEAD = 81.97e9 holds 138 rows;
-    # the largest divisor is 128.
-    assert (85 * 10**9 - HEAD) // (384 * PER_TOKEN) == 138
-    assert micro_batch_fitting(qwen, 512, 384, False, 100 * 10**9, torch.bfloat16) == 128
-    assert micro_batch_fitting(qwen, 512, 384, True, 100 * 10**9, torch.bfloat16) == 512  # checkpointing: all of it
+    # 512 rows of 384 tokens with 20 GB available and nothing pending: 0.85 x 20e9 - HEAD = 13.97e9 holds 23 rows;
+    # the largest divisor is 16.
+    assert (17 * 10**9 - HEAD) // (384 * PER_TOKEN) == 23
+    assert micro_batch_fitting(qwen, 512, 384, False, 20 * 10**9, torch.bfloat16) == 16
+    # float32 matmuls keep more a token (2,727,936 bytes): 13.97e9 // (384 x 2,727,936) = 13 rows, so 8.
+    assert micro_batch_fitting(qwen, 512, 384, False, 20 * 10**9, torch.float32) == 8
+    # With 100 GB, 138 rows would fit; the ceiling of 16,384 tokens (42 rows of 384) binds: 32. Checkpointing too.
+    assert (85 * 10**9 - HEAD) // (384 * PER_TOKEN) == 138 and 16_384 // 384 == 42
+    assert micro_batch_fitting(qwen, 512, 384, False, 100 * 10**9, torch.bfloat16) == 32
+    assert micro_batch_fitting(qwen, 512, 384, True, 100 * 10**9, torch.bfloat16) == 32
+    assert micro_batch_fitting(qwen, 512, 128, False, 100 * 10**9, torch.bfloat16) == 128  # 16,384 / 128 rows
     assert micro_batch_fitting(qwen, 512, 384, False, 10**6, torch.bfloat16) == 1  # never 0
-    # float32 matmuls keep more a token: fewer rows from the same memory.
-    assert micro_batch_fitting(qwen, 512, 384, False, 100 * 10**9, torch.float32) == 64
     # On a CPU the whole batch, as the shipped runs were made.
     assert auto_micro_batch(torch.nn.Linear(2, 2), 128, 40, False) == 128
 
@@ -698,7 +703,7 @@ def test_the_default_micro_batch_counts_the_allocators_cache_and_stays_the_same_
     driver = fake_cuda(monkeypatch, free=100 * 10**9, total=140 * 10**9)
     assert policy.available_bytes("cuda") == 100 * 10**9
     first = policy.auto_micro_batch(model, 512, 384, False, torch.bfloat16)
-    assert first == 128  # as the hand-computed case above, from 100 GB
+    assert first == 32  # as the hand-computed case above, from 100 GB
     driver.update(free=40 * 10**9, reserved=60 * 10**9, allocated=0)  # the first step's blocks, cached and unused
     assert policy.available_bytes("cuda") == 100 * 10**9  # the cache counts as available
     driver.update(free=10**9, reserved=0, allocated=0)  # whatever the memory reads later, the same shapes split alike
