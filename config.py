@@ -108,17 +108,22 @@ class Config:
     offpolicy_steps: int = arg(
         1, "v: every v steps the policy samples the next v steps' batches at once (alpha = pi_theta; 1 = on-policy)"
     )
+    lag: int | None = arg(
+        None,
+        "s: a constant lag, as asynchronous trainers run: step k trains on a batch the policy sampled at step "
+        "max(0, k - s), before that step's update (0 = on-policy); s + 1 batches are held; not with --offpolicy-steps",
+    )
     alpha_logp_from: str = arg(
         "recompute",
-        "log alpha: recompute (the refresh step's batch: pi_k's own forward, alpha = pi_k; the cycle's later "
-        "batches: a no-grad forward of pi_theta at the refresh, the training forward's numerics) or sampler (the "
+        "log alpha: recompute (a batch sampled at its own step: pi_k's own forward, alpha = pi_k; a batch drawn "
+        "ahead: a no-grad forward of pi_theta when it sampled, the training forward's numerics) or sampler (the "
         "log-probs the sampler recorded, for every batch, the refresh step's too; no extra forward)",
         ["recompute", "sampler"],
     )
     sample_rows: int | None = arg(
         None,
         "most rows (completions) per generate call when a refresh samples its cycle; default: on CUDA as many as "
-        "fit half the memory available (engine.policy.auto_sample_rows), elsewhere the whole cycle in one call",
+        "fit half of what the process may use (engine.policy.auto_sample_rows), elsewhere the whole cycle in one call",
     )
     sampling: str = arg(
         "auto",
@@ -206,7 +211,7 @@ class Config:
     micro_batch: int | None = arg(
         None,
         "sequences per forward/backward chunk, a divisor of N (default: on CUDA the largest divisor of N whose "
-        "activations fit half the free memory, policy.auto_micro_batch; on a CPU the whole batch N)",
+        "activations fit the memory the process may use, policy.auto_micro_batch; on a CPU the whole batch N)",
     )
     # --- fitting the model in memory (policy.fit_policy) -----------------------------------------
     gradient_checkpointing: bool = arg(
@@ -536,6 +541,11 @@ def validate(cfg: Config) -> None:
         (cfg.prompts_per_step >= 1, "--prompts-per-step must be >= 1"),
         (cfg.group_size >= 2, "--group-size must be >= 2 (a group of one has no baseline)"),
         (cfg.offpolicy_steps >= 1, "--offpolicy-steps must be >= 1"),
+        (cfg.lag is None or cfg.lag >= 0, "--lag must be >= 0 (0 = on-policy)"),
+        (
+            cfg.lag is None or cfg.offpolicy_steps == 1,
+            f"--lag {cfg.lag} and --offpolicy-steps {cfg.offpolicy_steps} are two schedules of one queue; give one",
+        ),
         (cfg.inner_steps >= 1, "--inner-steps must be >= 1"),
         (cfg.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
         (cfg.temperature > 0, "--temperature must be > 0 (training samples; evaluation is greedy)"),

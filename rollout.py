@@ -1,9 +1,10 @@
-"""Rollouts: G completions per prompt sampled from alpha, the stale policy, and the batches of a refresh cycle.
+"""Rollouts: G completions per prompt sampled from alpha, the stale policy, and the queue of batches drawn ahead.
 
 `generate` samples with a KV cache, token by token, from softmax(logits / temperature), cut to the kept set of
 --top-k / --top-p / --min-p and renormalised (logprobs.sampling_logits), with an explicit torch.Generator so that
-runs are reproducible (`sample` is the loop, `next_token` its step). `generate_batches` samples the v batches of a
-refresh cycle in as few calls as a row cap allows (train.sample_cycle); a `Cycle` holds them until their steps.
+runs are reproducible (`sample` is the loop, `next_token` its step). `generate_batches` samples the batches a step
+draws ahead (a refresh cycle's v, or a constant lag's next one) in as few calls as a row cap allows
+(train.sample_ahead); a `Queue` holds them until their steps.
 
 Layout of a batch (the convention every other file uses):
     prompt_ids      (N, P)    left-padded, so every prompt ends at column P-1
@@ -61,26 +62,37 @@ class Rollout:
 
 @dataclass
 class Sampled:
-    """One step's batch, drawn from alpha at its cycle's refresh (train.sample_cycle)."""
+    """One step's batch, drawn ahead from alpha = pi_theta as it stood at step `sampled_at` (train.sample_ahead)."""
 
     rollout: Rollout
     rewards: torch.Tensor  # (N,)
-    # (N, T) log alpha: a forward of alpha at the refresh (--alpha-logp-from recompute) or the sampler's own. None
-    # for the refresh step's own batch under recompute: alpha is pi_k there, whose log-probs the update's first
+    # (N, T) log alpha: a forward of alpha when it sampled (--alpha-logp-from recompute) or the sampler's own. None
+    # under recompute for a batch sampled at its own step: alpha is pi_k there, whose log-probs the update's first
     # forward gives (train.update).
     alpha_logp: torch.Tensor | None
+    sampled_at: int  # the step whose weights (before its update) sampled this batch
 
 
 @dataclass
-class Cycle:
-    """The batches of one refresh cycle: steps start, start + 1, ..., sampled at once from alpha = pi_theta of
-    step `start` (train.py's module docstring)."""
+class Queue:
+    """The batches drawn ahead, one a step: those of steps start, start + 1, ..., end - 1, each with the step
+    whose weights sampled it. One queue, two schedules fill it (train.steps_to_draw): a refresh cycle every v
+    steps, or a constant lag s. Checkpoints hold it: its batches came from weights the current ones cannot
+    reproduce."""
 
     start: int
     batches: list[Sampled]
 
+    @property
+    def end(self) -> int:
+        return self.start + len(self.batches)
+
     def covers(self, step: int) -> bool:
-        return self.start <= step < self.start + len(self.batches)
+        return self.start <= step < self.end
+
+    def from_step(self, step: int) -> "Queue":
+        """The queue without the batches of the steps before `step`: those are used, and leave memory."""
+        return Queue(step, self.batches[step - self.start :])
 
     def state(self) -> dict:
         """Plain tensors, ints and dicts: what a checkpoint stores (torch.load(weights_only=True) reads it)."""
@@ -88,12 +100,14 @@ class Cycle:
         return {"start": self.start, "batches": batches}
 
     @classmethod
-    def from_state(cls, state: dict, device) -> "Cycle":
+    def from_state(cls, state: dict, device) -> "Queue":
+        """A checkpoint's queue (one from before the lag held a refresh cycle: all sampled at its start)."""
         batches = [
             Sampled(
                 rollout=Rollout(**{k: v.to(device) for k, v in b["rollout"].items()}),
                 rewards=b["rewards"].to(device),
                 alpha_logp=None if b["alpha_logp"] is None else b["alpha_logp"].to(device),
+                sampled_at=b.get("sampled_at", state["start"]),
             )
             for b in state["batches"]
         ]
@@ -290,8 +304,8 @@ def generate_batches(
     model, prompts: list[tuple[torch.Tensor, torch.Tensor]], *, group_size: int, max_rows: int, pad_token_id: int, **kw
 ) -> list[Rollout]:
     """One Rollout per batch of `prompts` ((B_j, P_j) ids and mask each), sampled in as few `generate` calls
-    as `max_rows` rows per call allow (a call holds whole prompts, at least one): the stale policy's v
-    batches of a refresh cycle, drawn at once. Rows keep their order: batch j's rows follow batch j - 1's."""
+    as `max_rows` rows per call allow (a call holds whole prompts, at least one): the batches a step draws
+    ahead from the stale policy, at once. Rows keep their order: batch j's rows follow batch j - 1's."""
     width = max(ids.shape[1] for ids, _ in prompts)
     left = lambda x, v: torch.nn.functional.pad(x, (width - x.shape[1], 0), value=v)  # noqa: E731
     ids = torch.cat([left(i, pad_token_id) for i, _ in prompts])  # (sum B_j, P) left-padded

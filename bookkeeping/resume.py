@@ -1,7 +1,8 @@
 """What a checkpoint holds, and a resume reads back: everything the next step reads, so that a resumed run
 continues bit for bit (checkpoint.py writes and reads the files atomically).
 
-    run_state   the policy, optimizer, pi_ref, generator, data position, the unfinished cycle and its scores, and
+    run_state   the policy, optimizer, pi_ref, generator, data position, the queue of batches drawn ahead and their
+                scores, and
                 the start's held-out metrics, all of them, so that a resumed run's summary reads like one run's
     restore     the newest readable checkpoint back into the models, the generator and the prompt stream
 """
@@ -22,18 +23,19 @@ from config import Config, ConfigError
 from engine.policy import Models
 from problems.prompts import PromptStream
 from problems.user_rewards import Scores
-from rollout import Cycle
+from rollout import Queue
 
 
 def run_state(
-    models: Models, gen, stream: PromptStream, cycle: Cycle | None, step: int, start: dict, wall: float, scored=None
+    models: Models, gen, stream: PromptStream, queue: Queue | None, step: int, start: dict, wall: float, scored=None
 ) -> dict:
     """Everything the next step reads, so that a resumed run continues bit for bit.
 
-    The unfinished refresh cycle is saved too: its batches were drawn from alpha, a policy up to v - 1 steps
-    old that the current weights cannot reproduce (with their rewards and log alpha). The sampling
-    generator's state and the data position (already past the cycle's prompts) make the next cycle's
-    samples those of the uninterrupted run. So are the reward functions' own figures for the cycle's later steps
+    The queue of batches drawn ahead is saved too (the unfinished refresh cycle, or a constant lag's s batches):
+    they were drawn from alpha, a policy up to v - 1 (or s) steps old that the current weights cannot reproduce
+    (with their rewards, log alpha and the step that sampled each). The sampling generator's state and the data
+    position (already past the queue's prompts) make the next draws those of the uninterrupted run. So are the
+    reward functions' own figures for the queue's steps
     (`scored`: each step's Scores), which its metrics rows report.
     """
     state = {
@@ -50,8 +52,8 @@ def run_state(
         "eval_pass1_start": start.get("eval_pass1"),
         "wall_s": wall,
     }
-    if cycle is not None and cycle.covers(step):
-        state["cycle"] = cycle.state()
+    if queue is not None and queue.covers(step):
+        state["queue"] = queue.state()
         state["scores"] = {
             k: {
                 "parts": sc.parts,
@@ -69,7 +71,7 @@ def run_state(
 
 def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunWriter):
     """Load the newest readable checkpoint into the models; returns (step, the start's held-out metrics, wall
-    seconds, the unfinished refresh cycle or None, the reward functions' Scores of its steps)."""
+    seconds, the queue of batches drawn ahead or None, the reward functions' Scores of its steps)."""
     # Complete means renamed into place after an fsync; a file damaged since (a truncated copy, a bad disk) is
     # passed over for the one before it, with a notice naming both.
     found = checkpoints(cfg.out)
@@ -87,7 +89,8 @@ def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunW
     if path != found[-1]:
         writer.log(f"--resume: {found[-1]} was unreadable; resuming from {path}")
     load_policy_state(models.policy, ck["policy"])
-    cycle = Cycle.from_state(ck["cycle"], cfg.device) if "cycle" in ck else None
+    saved = ck.get("queue", ck.get("cycle"))  # "cycle": a checkpoint from before the lag, its refresh cycle
+    queue = None if saved is None else Queue.from_state(saved, cfg.device)
     if models.ref is not None:
         models.ref.load_state_dict(ck["ref"])
     models.opt.load_state_dict(ck["optimizer"])
@@ -104,4 +107,4 @@ def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunW
         k: Scores(sc["parts"], sc["total"], sc["metrics"], json.loads(sc["extras"]))
         for k, sc in ck.get("scores", {}).items()
     }
-    return ck["step"], start, ck["wall_s"], cycle, scored
+    return ck["step"], start, ck["wall_s"], queue, scored

@@ -337,7 +337,7 @@ def test_a_bad_line_before_the_last_is_named_and_a_torn_last_one_dropped(tmp_pat
 
 
 class Covers:
-    """A refresh cycle that covers every step, its state empty (run_state's view of rollout.Cycle)."""
+    """A queue that covers every step, its state empty (run_state's view of rollout.Queue)."""
 
     def covers(self, step):
         return True

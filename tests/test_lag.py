@@ -1,0 +1,204 @@
+"""--lag s, a constant lag, and the queue it shares with the refresh cycle (train.steps_to_draw, rollout.Queue):
+the schedule step by step, --lag 0 and the first s + 1 steps against the runs they must equal bit for bit, a resume
+mid-queue, log alpha of a lagged batch against the weights of step k - s read back from a checkpoint, and the
+memory a queued batch holds."""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train
+from bookkeeping.checkpoint import checkpoints, load_checkpoint, load_policy_state
+from config import Config, resolve
+from conftest import TEST_WARMUP, error_line, jsonl, tiny_run_args
+from rollout import Queue, Sampled
+
+pytestmark = pytest.mark.model  # trains the tiny model
+
+TIMINGS = ("wall_s", "tokens_per_s", "peak_mem_gb", "mem_gb", "t_sample", "t_score", "t_logprob", "t_update")
+# Enough rows a step that most groups carry signal, and a learning rate that moves the weights step by step.
+SIGNAL = ["--prompts-per-step", 4, "--group-size", 4, "--lr", 1e-3]
+
+
+def rows_of(out) -> list[dict]:
+    """metrics.jsonl without the figures that time the run."""
+    return [{k: v for k, v in m.items() if k not in TIMINGS} for m in jsonl(out / "metrics.jsonl")]
+
+
+def weights(out) -> dict:
+    return load_file(out / "final" / "model.safetensors")
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- the schedule ----------------------------------------------------------------------------------------------------
+
+
+def drawn_by_step(steps: int, **kw) -> list[list[int]]:
+    """steps_to_draw run as grpo_step runs it: the steps whose batches each step draws, from an empty queue."""
+    cfg = resolve(Config(steps=steps, out="x", **kw))
+    queue, out = None, []
+    for k in range(steps):
+        queue = queue.from_step(k) if queue is not None and queue.covers(k) else Queue(k, [])
+        ahead = list(train.steps_to_draw(cfg, k, queue))
+        queue = Queue(queue.start, queue.batches + [None] * len(ahead))
+        out.append(ahead)
+    return out
+
+
+def test_the_two_schedules_draw_what_the_definitions_say():
+    # Written out by hand: --lag 2 draws steps 0-2 at step 0, then step k + 2 at step k, none past the last (6).
+    assert drawn_by_step(7, lag=2) == [[0, 1, 2], [3], [4], [5], [6], [], []]
+    # --offpolicy-steps 3: a refresh every 3 steps, the last cycle cut at the run's end.
+    assert drawn_by_step(7, offpolicy_steps=3) == [[0, 1, 2], [], [], [3, 4, 5], [], [], [6]]
+    # --lag 0 and the on-policy run: each step its own batch.
+    assert drawn_by_step(4, lag=0) == drawn_by_step(4) == [[0], [1], [2], [3]]
+    # The lag's first s + 1 steps draw what --offpolicy-steps s + 1 draws.
+    assert drawn_by_step(8, lag=3)[0] == drawn_by_step(8, offpolicy_steps=4)[0] == [0, 1, 2, 3]
+    # A lost queue (a checkpoint without one) starts again from step k: s + 1 batches, or the rest of the cycle.
+    cfg = resolve(Config(steps=20, lag=4, out="x"))
+    assert list(train.steps_to_draw(cfg, 9, Queue(9, []))) == [9, 10, 11, 12, 13]
+    cfg = resolve(Config(steps=20, offpolicy_steps=4, out="x"))
+    assert list(train.steps_to_draw(cfg, 9, Queue(9, []))) == [9, 10, 11]
+
+
+def test_lag_with_a_refresh_cycle_or_below_zero_is_refused_in_one_line(tmp_path, warm_cache, main):
+    line = error_line(main(*tiny_run_args(warm_cache, tmp_path / "a", "--lag", 2, "--offpolicy-steps", 4)))
+    assert line == "error: --lag 2 and --offpolicy-steps 4 are two schedules of one queue; give one"
+    line = error_line(main(*tiny_run_args(warm_cache, tmp_path / "b", "--lag", -1)))
+    assert line == "error: --lag must be >= 0 (0 = on-policy)"
+
+
+# --- bit for bit: --lag 0 is on-policy, the first s + 1 steps are --offpolicy-steps s + 1 ------------------------
+
+
+def test_lag_zero_is_the_on_policy_run_bit_for_bit(tmp_path, warm_cache, main):
+    runs = {}
+    for name, extra in (("on", []), ("lag0", ["--lag", 0])):
+        runs[name] = tmp_path / name
+        assert main(*tiny_run_args(warm_cache, runs[name], *SIGNAL, *extra, steps=4)).returncode == 0
+    assert same_weights(weights(runs["on"]), weights(runs["lag0"]))
+    assert rows_of(runs["on"]) == rows_of(runs["lag0"])
+    assert [(m["sampled_at"], m["staleness"]) for m in rows_of(runs["on"])] == [(k, 0) for k in range(4)]
+
+
+@pytest.mark.parametrize("alpha_logp_from", ["recompute", "sampler"])
+def test_the_first_s_plus_1_steps_of_a_lag_are_a_refresh_cycle_of_s_plus_1(tmp_path, warm_cache, main, alpha_logp_from):
+    # s = 2 over 6 steps: from step 1 on the lag draws a batch a step (the generator moves), the cycle none until 3.
+    s, runs = 2, {}
+    for name, extra in (("cycle", ["--offpolicy-steps", s + 1]), ("lag", ["--lag", s])):
+        runs[name] = tmp_path / name
+        extra += ["--alpha-logp-from", alpha_logp_from, "--log-completions", 100]
+        assert main(*tiny_run_args(warm_cache, runs[name], *SIGNAL, *extra, steps=6)).returncode == 0
+    cycle, lag = rows_of(runs["cycle"]), rows_of(runs["lag"])
+    assert cycle[: s + 1] == lag[: s + 1]  # rewards, loss, clip and rho' figures, sampled_at, staleness: all of it
+    assert [m["staleness"] for m in lag] == [0, 1, 2, 2, 2, 2]  # min(k, s)
+    assert [m["staleness"] for m in cycle] == [0, 1, 2, 0, 1, 2]  # k mod v
+    assert [m["sampled_at"] for m in lag] == [0, 0, 0, 1, 2, 3]
+    # The batches themselves: every logged completion of the first s + 1 steps, and not those after.
+    done = [[c for c in jsonl(runs[n] / "completions.jsonl") if c["split"] == "train"] for n in ("cycle", "lag")]
+    first = [[c for c in d if c["step"] <= s] for d in done]
+    assert first[0] == first[1] and len(first[0]) == (s + 1) * 16
+    assert [c for c in done[0] if c["step"] > s] != [c for c in done[1] if c["step"] > s]
+
+
+# --- the queue in a checkpoint ---------------------------------------------------------------------------------------
+
+
+def test_a_lagged_run_killed_mid_queue_resumes_bit_for_bit(tmp_path, warm_cache, main):
+    extra = [*SIGNAL, "--lag", 3, "--save-every", 1, "--keep-checkpoints", 10]
+    full = tmp_path / "full"
+    assert main(*tiny_run_args(warm_cache, full, *extra, steps=7)).returncode == 0
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    for name in ("final", "summary.json"):
+        shutil.rmtree(cut / name) if (cut / name).is_dir() else (cut / name).unlink()
+    for p in checkpoints(str(cut))[4:]:
+        p.unlink()  # back to step 4: the queue holds steps 4-6's batches, sampled at steps 1-3
+    ck = load_checkpoint(checkpoints(str(cut))[-1])
+    queue = Queue.from_state(ck["queue"], "cpu")
+    assert ck["step"] == 4 and queue.covers(4) and queue.end == 7
+    assert [b.sampled_at for b in queue.from_step(4).batches] == [1, 2, 3]
+    r = main("--resume", "--out", cut)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert same_weights(weights(full), weights(cut))
+    assert rows_of(full) == rows_of(cut)
+
+
+def test_log_alpha_of_a_lagged_batch_is_the_weights_of_step_k_minus_s_from_a_checkpoint(
+    tmp_path, warm_cache, main, monkeypatch
+):
+    """Under recompute, log alpha came with the batch when it was sampled; recomputed now with the weights of step
+    k - s (the checkpoint after k - s steps: before step k - s's update), it is equal, and it is not pi_k's."""
+    s, seen = 2, {}
+    real_step = train.grpo_step
+
+    def step_spy(cfg, models, tokenizer, k, *a, **kw):
+        res, queue = real_step(cfg, models, tokenizer, k, *a, **kw)
+        seen[k] = (cfg, res.batch)
+        return res, queue
+
+    monkeypatch.setattr(train, "grpo_step", step_spy)
+    out = tmp_path / "run"
+    extra = [*SIGNAL, "--lag", s, "--save-every", 1, "--keep-checkpoints", 10]
+    assert main(*tiny_run_args(warm_cache, out, *extra, steps=6)).returncode == 0
+    assert sorted(seen) == list(range(6))
+    saved = {load_checkpoint(p)["step"]: load_checkpoint(p)["policy"] for p in checkpoints(str(out))}
+    policy = train.load_policy(seen[0][0])[0].eval()
+    for k in range(s + 1, 6):  # steps whose batch was sampled after step 0: k - s >= 1 has a checkpoint
+        cfg, batch = seen[k]
+        load_policy_state(policy, saved[k - s])
+        with torch.no_grad():
+            recomputed = train.completion_logprobs(cfg, policy, batch)
+        assert torch.equal(batch.alpha_logp, recomputed), k
+        load_policy_state(policy, saved[k])  # the weights step k trains (pi_k): another policy, log alpha is not its
+        with torch.no_grad():
+            assert not torch.equal(batch.alpha_logp, train.completion_logprobs(cfg, policy, batch)), k
+
+
+# --- memory: what a queued batch holds, and a queue that cannot fit -------------------------------------------------
+
+
+@pytest.mark.parametrize("alpha_logp_from", ["recompute", "sampler"])
+def test_a_queued_batch_holds_the_bytes_the_formula_gives(warm_cache, tmp_path, alpha_logp_from):
+    # Fixed-length completions (ignore_eos): every (N, T) tensor is T = --max-new-tokens wide, the formula's case.
+    cfg = resolve(
+        Config(
+            steps=4, lag=2, prompts_per_step=3, group_size=4, max_new_tokens=6, alpha_logp_from=alpha_logp_from,
+            warmup_steps=TEST_WARMUP, cache_dir=warm_cache, out=str(tmp_path), progress=False, eval_size=4,
+        )
+    )  # fmt: skip
+    from problems.prompts import Draw, PromptStream, load_problems, run_rewards
+
+    rewards = run_rewards(cfg)
+    train_set, _ = load_problems(cfg, rewards)
+    policy, tok = train.load_policy(cfg, log=lambda m: None)
+    draw = Draw(cfg, tok, PromptStream(train_set, 0), rewards, torch.device("cpu"))
+    timer = train.Timer(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    batches = train.sample_ahead(cfg, policy, tok, 0, range(0, 3), draw, gen, timer, ignore_eos=True)
+
+    def held(b: Sampled) -> int:  # every distinct tensor the batch keeps
+        ro = vars(b.rollout)
+        tensors = {id(t): t for t in [*ro.values(), b.rewards, b.alpha_logp] if t is not None}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    for j, b in enumerate(batches):
+        prompt_len = b.rollout.prompt_ids.shape[1]
+        expected = train.queue_batch_bytes(cfg, prompt_len)
+        if j == 0 and alpha_logp_from == "recompute":  # step 0's own batch: alpha = pi_k, no log alpha kept
+            expected -= 4 * 12 * 6
+        assert held(b) == expected, j
+
+
+def test_a_queue_that_cannot_fit_is_refused_with_its_size(tmp_path, warm_cache, main, monkeypatch):
+    monkeypatch.setattr(train, "host_available_bytes", lambda: 10**6)  # 1 MB free
+    line = error_line(main(*tiny_run_args(warm_cache, tmp_path / "run", *SIGNAL, "--lag", 255)))
+    # 16 rows x (16 P + 24 x 8 + 5) + 4 x 16 x 8 bytes a batch, 256 of them: above half of 1 MB.
+    assert line.startswith("error: --lag 255: the queue of 256 batches drawn ahead needs ")
+    assert "more than half the 0.001 GB free on cpu" in line
+    assert main(*tiny_run_args(warm_cache, tmp_path / "ok", *SIGNAL, "--lag", 2)).returncode == 0  # 3 fit
