@@ -260,7 +260,7 @@ def memory_available(free: int, total: int, reserved: int, allocated: int, fract
 
 
 # Fractions set through cap_memory, by device index: read back where torch cannot (get_per_process_memory_fraction
-# is torch >= 2.7's).
+# is not in every torch).
 _FRACTIONS: dict[int, float] = {}
 
 
