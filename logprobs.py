@@ -88,10 +88,16 @@ def sampling_logits(
     return truncate(z if temperature == 1 else z / temperature, truncation, targets)
 
 
-def entropy_of(logp_all: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
-    """-sum_y p(y) log p(y) over the last dim, p = exp(logp_all) (`probs`, where the caller has it already). A token
-    outside the kept set has p = 0 and log p = -inf: 0 x -inf is NaN, which nansum counts as the 0 it is."""
+def entropy_of(logp_all: torch.Tensor, probs: torch.Tensor | None = None, kept_all: bool = False) -> torch.Tensor:
+    """-sum_y p(y) log p(y) over the last dim, p = exp(logp_all) (`probs`, where the caller has it already).
+
+    kept_all (nothing cut: every log p is finite): one dot product a row, a batched matmul in logp_all's dtype
+    (autocast off: not in bfloat16), one pass over (rows, V). Otherwise a token outside the kept set has p = 0 and
+    log p = -inf: 0 x -inf is NaN, which nansum counts as the 0 it is (a multiply and a sum: two passes)."""
     probs = logp_all.exp() if probs is None else probs
+    if kept_all:
+        with torch.autocast(logp_all.device.type, enabled=False):
+            return -(probs.unsqueeze(-2) @ logp_all.unsqueeze(-1))[..., 0, 0]
     return -(probs * logp_all).nansum(dim=-1)
 
 

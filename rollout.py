@@ -226,7 +226,9 @@ def next_token(
     logp_all = torch.log_softmax(sampling_logits(logits, temperature, truncation), dim=-1)  # (N, V) log alpha
     probs = logp_all.exp()  # (N, V) alpha; a token outside the kept set has p = 0
     nxt = draw(probs, generator) if temperature > 0 else logits.argmax(dim=-1)  # (N,)
-    entropy = entropy_of(logp_all, probs)  # (N,)
+    # Nothing cut (temperature 0 scores the whole distribution): every log alpha is finite, the entropy one dot product.
+    kept_all = temperature <= 0 or truncation is None or not truncation.cuts
+    entropy = entropy_of(logp_all, probs, kept_all)  # (N,)
     nxt = torch.where(alive, nxt, torch.full_like(nxt, pad_token_id))  # (N,) pad after EOS
     logp = torch.where(alive, logp_all.gather(1, nxt.unsqueeze(1)).squeeze(1), torch.zeros_like(entropy))  # (N,)
     entropy = torch.where(alive, entropy, torch.zeros_like(entropy))  # (N,)

@@ -12,7 +12,78 @@ algorithm reads logprobs.token_logprobs instead, and a copy of the algorithm can
 import torch
 import torch.nn.functional as F
 
-from logprobs import Truncation, cache_kwarg, position_ids_from_mask, sampling_logits, truncate
+from logprobs import Truncation, cache_kwarg, position_ids_from_mask, sampling_logits
+
+
+def plain_z(temperature: float, truncation: Truncation | None) -> bool:
+    """Whether sampling_logits' z is the logits themselves (tau = 1, nothing cut): the default run's case."""
+    return temperature == 1 and not (truncation is not None and truncation.cuts)
+
+
+def chunk_logp(logits, targets, temperature, truncation):
+    """(log softmax(z)[y], log-sum-exp of z), each (c,) in float32 (float64 for float64 logits), of a chunk's
+    logits (c, V), z = sampling_logits(logits, ...).
+
+    Where z is the logits (`plain_z`), the log-sum-exp is read straight from the logits in their own dtype:
+    torch.logsumexp's own steps (max, subtract, exp, sum, then log + max: the same floats as
+    torch.logsumexp(logits.float())), with the upcast of bfloat16 logits inside the subtraction's kernel (a bfloat16
+    tensor minus a float32 one is float32): no float32 copy of the logits, 4 passes over (c, V) where the cast and
+    torch.logsumexp take 5 (logsumexp runs those 4 kernels under one name)."""
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    if plain_z(temperature, truncation):
+        top = logits.amax(dim=-1, keepdim=True)  # (c, 1) exact in any dtype
+        lse = torch.sub(logits, top.to(acc)).exp_().sum(dim=-1).log_().add_(top.squeeze(1))  # (c,) in acc
+        z_y = logits.gather(1, targets[:, None]).squeeze(1).to(acc)  # (c,)
+    else:
+        z = sampling_logits(logits, temperature, truncation, targets)  # (c, V) in acc
+        lse = torch.logsumexp(z, dim=-1)  # (c,)
+        z_y = z.gather(1, targets[:, None]).squeeze(1)  # (c,)
+    return z_y - lse, lse
+
+
+def chunk_grad(logits, targets, lse, coef, temperature, truncation):
+    """d loss / d logits = (softmax(z) - onehot(y)) x coef for a chunk's logits (c, V), written in the logits' dtype
+    (the matmuls' compute dtype), softmax(z) = exp(z - lse) from the forward's log-sum-exp `lse` (c,) and the same
+    z (the same floats: the same kept set). coef (c, 1) is -(d loss / d logp) / tau.
+
+    Computed in float32 (softmax - onehot cancels where p_y is near 1: not in bfloat16), in one buffer: subtract
+    (where z is the logits: reading them in their own dtype, the upcast inside the kernel), exp and multiply, three
+    passes over (c, V); the multiply writes the compute dtype directly (no second cast)."""
+    if plain_z(temperature, truncation):
+        p = torch.sub(logits, lse[:, None]).exp_()  # (c, V) softmax(z) in acc
+    else:
+        p = sampling_logits(logits, temperature, truncation, targets).sub_(lse[:, None]).exp_()  # (c, V)
+    y = targets[:, None]  # (c, 1)
+    p.scatter_add_(1, y, torch.full_like(y, -1, dtype=p.dtype))  # softmax - onehot
+    if p.dtype == logits.dtype:
+        return p.mul_(coef)  # (c, V)
+    return torch.mul(p, coef, out=torch.empty(p.shape, dtype=logits.dtype, device=p.device))  # (c, V)
+
+
+class _Chunk:
+    """The head's per-chunk functions over (c, V): eager, or torch.compile'd by `compile_head` (--compile)."""
+
+    logp, grad = staticmethod(chunk_logp), staticmethod(chunk_grad)
+
+
+CHUNK = _Chunk()
+
+
+def add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, summed in acc's dtype (float32) whatever a's and b's (bfloat16 under autocast).
+
+    Under autocast each chunk's g^T h used to be rounded to bfloat16 before the float32 sum (16 roundings a
+    micro-batch at chunk 1024). Here the product is never rounded to bfloat16: on CUDA, torch.mm's out_dtype (cuBLAS:
+    bfloat16 operands, float32 sum and output); where this torch has no such kernel (the CPU), the operands upcast to
+    float32 (exactly: a product of two bfloat16s is exact in float32) and one float32 matmul, the same sum. Operands
+    already in acc's dtype (float32 runs) take the product and add as before: the default run's floats."""
+    with torch.autocast(acc.device.type, enabled=False):
+        if a.dtype == acc.dtype:
+            acc += a @ b
+        elif a.device.type == "cuda" and acc.dtype == torch.float32:
+            acc += torch.mm(a, b, out_dtype=torch.float32)
+        else:
+            acc += a.to(acc.dtype) @ b.to(acc.dtype)
 
 
 class SelectedLogProb(torch.autograd.Function):
@@ -39,9 +110,7 @@ class SelectedLogProb(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk):
             logits = F.linear(hidden[s : s + chunk], weight, bias)  # (c, V)
             compute = logits.dtype
-            z = sampling_logits(logits, temperature, truncation, targets[s : s + chunk])  # (c, V) in acc
-            lse[s : s + chunk] = torch.logsumexp(z, dim=-1)
-            out[s : s + chunk] = z.gather(1, targets[s : s + chunk, None]).squeeze(1) - lse[s : s + chunk]
+            out[s : s + chunk], lse[s : s + chunk] = CHUNK.logp(logits, targets[s : s + chunk], temperature, truncation)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature, ctx.chunk, ctx.truncation, ctx.compute = temperature, chunk, truncation, compute
         device = hidden.device.type
@@ -67,18 +136,13 @@ class SelectedLogProb(torch.autograd.Function):
         weight_c = weight.to(compute)  # (V, H) cast once, not per chunk
         coef = -(grad_out / tau)[:, None]  # (M, 1): d loss / d logits = (softmax - onehot) x coef
         for s in range(0, hidden.shape[0], chunk):
-            h, y = hidden[s : s + chunk], targets[s : s + chunk, None]  # (c, H), (c, 1)
-            z = sampling_logits(F.linear(h, weight, bias), tau, ctx.truncation, y[:, 0])  # (c, V) the forward's z
-            # In z's own buffer and in `acc` (softmax - onehot cancels where p_y is near 1: not in bfloat16), the
-            # product written straight in the matmuls' compute dtype: subtract, exp and multiply, three passes over
-            # (c, V) after the head's matmul (and the cast of its bfloat16 logits under autocast, z / tau at tau != 1).
-            p = z.sub_(lse[s : s + chunk, None]).exp_()  # (c, V) softmax(z)
-            p.scatter_add_(1, y, torch.full_like(y, -1, dtype=acc))  # softmax - onehot
-            g = torch.mul(p, coef[s : s + chunk], out=torch.empty(p.shape, dtype=compute, device=p.device))  # (c, V)
+            h, y = hidden[s : s + chunk], targets[s : s + chunk]  # (c, H), (c,)
+            logits = F.linear(h, weight, bias)  # (c, V) the forward's logits again
+            g = CHUNK.grad(logits, y, lse[s : s + chunk], coef[s : s + chunk], tau, ctx.truncation)  # (c, V)
             if grad_h is not None:
                 grad_h[s : s + chunk] = (g @ weight_c).to(hidden.dtype)  # (c, H)
             if grad_w is not None:
-                grad_w += g.t() @ h.to(compute)  # (V, H), summed over chunks in `acc`
+                add_product(grad_w, g.t(), h.to(compute))  # (V, H) += g^T h, summed in `acc`, never rounded
             if grad_b is not None:
                 grad_b += g.sum(dim=0, dtype=acc)  # (V,)
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
@@ -168,7 +232,7 @@ def chunked_token_logprobs(
         logits = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, logits_to_keep=t + 1
         ).logits
-        z = truncate(logits[:, :-1][sel].float() / tau, truncation, targets)  # (M, V)
+        z = sampling_logits(logits[:, :-1][sel], tau, truncation, targets)  # (M, V) the sampler's z, one formula
         logp = z.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(z, dim=-1)  # (M,)
     out = torch.zeros(n, t, dtype=torch.float32, device=input_ids.device)  # (N, T)
     return out.masked_scatter(sel, logp)  # (N, T), differentiable w.r.t. logp

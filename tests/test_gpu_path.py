@@ -68,7 +68,8 @@ def test_chunked_gradients_under_bf16_autocast_are_as_good_as_autograds_own(scal
 
 
 class MatmulLog(TorchDispatchMode):
-    """Every matrix product that runs inside the block: (op name, dtypes of its tensor inputs, their shapes)."""
+    """Every matrix product that runs inside the block: (op name, dtypes of its tensor inputs, their shapes, whether
+    every input's values are bfloat16 numbers)."""
 
     MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
 
@@ -79,13 +80,22 @@ class MatmulLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket.__name__ in self.MATMULS:
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            bf16_values = all(torch.equal(t, t.bfloat16().to(t.dtype)) for t in tensors)
             self.calls.append(
-                (func.overloadpacket.__name__, [t.dtype for t in tensors], [tuple(t.shape) for t in tensors])
+                (
+                    func.overloadpacket.__name__,
+                    [t.dtype for t in tensors],
+                    [tuple(t.shape) for t in tensors],
+                    bf16_values,
+                )
             )
         return func(*args, **(kwargs or {}))
 
 
 def test_no_float32_matmul_of_vocabulary_size_runs_in_the_backward_under_autocast():
+    # Per chunk: the logits again and d hidden in bfloat16; d weight from bfloat16 operands into a float32 sum
+    # (chunked_logprobs.add_product): torch.mm's out_dtype on CUDA, and where torch has no such kernel (this CPU)
+    # a float32 matmul of the same bfloat16 numbers, upcast. Nothing of vocabulary size multiplies float32 numbers.
     hidden, weight, targets, coef = confident_head(2)
     v = weight.shape[0]
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -95,7 +105,10 @@ def test_no_float32_matmul_of_vocabulary_size_runs_in_the_backward_under_autocas
         (logp * coef).sum().backward()
     vocab_sized = [c for c in log.calls if any(v in shape for shape in c[2])]
     assert len(vocab_sized) == 3 * 4, log.calls  # per chunk: the logits again, then d hidden and d weight
-    assert all(d == torch.bfloat16 for _, dtypes, _ in vocab_sized for d in dtypes), vocab_sized
+    logits_and_d_hidden = [c for i, c in enumerate(vocab_sized) if i % 3 != 2]
+    d_weight = vocab_sized[2::3]
+    assert all(d == torch.bfloat16 for _, dtypes, _, _ in logits_and_d_hidden for d in dtypes), vocab_sized
+    assert all(shapes[0] == (v, 16) and bf16 for _, _, shapes, bf16 in d_weight), d_weight
 
 
 # --- 2. every random call with a generator names its device ---------------------------------------------------
