@@ -40,9 +40,16 @@ resumed mid-cycle trains on the very batches, and samples the very completions, 
 checkpoint without them (stock TRL's, another world size) resumes as stock TRL does: a fresh generation at the
 resume step, from the checkpoint's policy, starting a new cycle there.
 
-Deviations from [A]: 1. log pi_k costs no pass (as in train.py); 2. held-out accuracy is greedy (HF generate).
+Staleness masks (policy_loss='grpo'): TRL's own off_policy_mask_threshold is OPSM's delta, computed as stock TRL
+computes it (corrections.opsm_keep_mask: by sampling_per_token_logps where vLLM recorded them, else log alpha; the
+masked sequences keep their KL term and their place in Z); m2_threshold is M2PO (corrections.m2po_keep_mask) over
+the whole optimizer step, its GA slices on every rank: at the step's first slice a no-grad pass gives log pi_k of
+all of them (`_m2po_prepass`, as train.mask_prepass), and Z counts the kept tokens.
+
+Deviations from [A]: 1. log pi_k costs no pass (as in train.py; with m2_threshold on a stale step, one no-grad
+pass); 2. held-out accuracy is greedy (HF generate).
 Departures from stock GRPOTrainer: docs/trl.md, "The loss, against stock `GRPOTrainer`". Not supported (one-line
-error): sequence-level IS, off-policy masks, entropy terms, batch reward scaling, normalize_then_sum,
+error): sequence-level IS, TRL's `delta` (two-sided clip), entropy terms, batch reward scaling, normalize_then_sum,
 vision-language models, steps_per_generation not a multiple of GA. Nothing else is refused: PEFT, FSDP, ZeRO-3,
 rollout_func, MoE models (the router's loss added as stock TRL adds it) run TRL's own code (docs/trl.md, "What was
 run here, and what was not"). TRL's use_bias_correction_kl (default True) is train.py's --kl-importance-weight:
@@ -72,7 +79,7 @@ from engine import tiny
 from engine.policy import gguf_file, load_gguf
 from problems.tasks import TaskError, encode_prompts, format_prompt, load_task
 from reward import math_reward
-from variants import reinforce
+from variants import corrections, reinforce
 
 # TRL loss_type -> this project's aggregation (objective.py): the ones whose math is the same.
 LOSS_TYPES = {"dapo": "token-mean", "grpo": "seq-mean", "dr_grpo": "constant"}
@@ -93,6 +100,13 @@ class OffPolicyGRPOConfig(GRPOConfig):
     mask_zero_std: bool = field(default=True, metadata={"help": "drop equal-reward groups from loss and normaliser"})
     policy_loss: str = field(default="grpo", metadata={"help": "grpo (clipped surrogate), rec, rec-is, opmd ([B])"})
     tau_reg: float = field(default=0.1, metadata={"help": "opmd's regulariser (tau_reg / 2) (logp - log alpha)^2"})
+    m2_threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "M2PO (AReaL's m2_threshold, 0.04 there): the optimizer step's tokens of largest "
+            "(log alpha - log pi_k)^2 leave the loss and its normaliser until the rest's mean is below this"
+        },
+    )
 
     def __post_init__(self):
         v, ga = self.offpolicy_steps, self.gradient_accumulation_steps
@@ -104,7 +118,6 @@ class OffPolicyGRPOConfig(GRPOConfig):
         per_step, rest = divmod(self.steps_per_generation, ga)
         # TRL options this loss does not implement, and the value each must keep
         fixed = dict(
-            off_policy_mask_threshold=None,
             delta=None,
             top_entropy_quantile=1.0,
             entropy_coef=0.0,
@@ -121,6 +134,15 @@ class OffPolicyGRPOConfig(GRPOConfig):
             (self.loss_type in LOSS_TYPES, f"loss_type {self.loss_type!r} has no counterpart: use dapo, grpo, dr_grpo"),
             (self.beta == 0 or self.policy_loss == "grpo", "beta > 0 needs policy_loss='grpo'"),
             (self.tau_reg >= 0, "tau_reg must be >= 0"),
+            (self.m2_threshold is None or self.m2_threshold > 0, "m2_threshold (M2PO) must be > 0"),
+            (
+                self.off_policy_mask_threshold is None or self.off_policy_mask_threshold >= 0,
+                "off_policy_mask_threshold (OPSM's delta) must be >= 0",
+            ),
+            (
+                self.policy_loss == "grpo" or (self.m2_threshold is None and self.off_policy_mask_threshold is None),
+                "m2_threshold and off_policy_mask_threshold act on policy_loss='grpo' only",
+            ),
             (self.scale_rewards in ("group", "none"), "scale_rewards must be 'group' or 'none'"),
             (not unsupported, f"not supported, keep the default: {', '.join(unsupported)}"),
         ]
@@ -175,7 +197,42 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             self._set_step_normalisers([inputs], group=1)  # evaluation: one batch, no accumulation
         elif self._buffered_inputs is not before:  # TRL has just generated
             self._set_step_normalisers(self._buffered_inputs, group=self.args.gradient_accumulation_steps)
+        ga, index = self.args.gradient_accumulation_steps, self._step % self.args.steps_per_generation
+        if self.model.training and self.args.m2_threshold is not None and index % ga == 0 and "m2po_keep" not in inputs:
+            self._m2po_prepass(self._buffered_inputs[index : index + ga])  # the optimizer step's first slice
         return inputs
+
+    @torch.no_grad()
+    def _m2po_prepass(self, slices: list[dict]) -> None:
+        """M2PO over the whole optimizer step, as train.mask_prepass: its GA slices on every rank. Each slice gets
+        log pi_k (`pi_k_logps`, a no-grad forward now, before the step's optimizer step; its later passes reuse it),
+        the tokens M2PO keeps (`m2po_keep`, corrections.m2po_keep_mask over the step's loss tokens, all ranks'
+        in rank order, so every rank computes the same cut) and the step's Z over the kept tokens. Without
+        old_per_token_logps alpha = pi_k: every M2 is 0 and nothing leaves (no pass)."""
+        if any(s.get("old_per_token_logps") is None for s in slices):
+            return
+        for s in slices:
+            ids = torch.cat([s["prompt_ids"], s["completion_ids"]], dim=1)  # (n, P+T)
+            attn = torch.cat([s["prompt_mask"], s["completion_mask"]], dim=1)  # (n, P+T)
+            s["pi_k_logps"] = self._get_per_token_logps_and_entropies(
+                self.model, ids, attn, s["completion_ids"].shape[1]
+            )[0]  # (n, T)
+        # log alpha - log pi_k on this rank's loss tokens, in slice order, then every rank's, in rank order
+        mine = torch.cat([(s["old_per_token_logps"] - s["pi_k_logps"])[s["loss_mask"] > 0] for s in slices])
+        counts = self.accelerator.gather(torch.tensor([mine.numel()], device=mine.device))  # (P,)
+        padded = self.accelerator.gather(self.accelerator.pad_across_processes(mine, dim=0))
+        padded = padded.view(counts.numel(), -1)  # (P, the longest)
+        everyone = torch.cat([padded[r, :c] for r, c in enumerate(counts.tolist())]).unsqueeze(0)  # (1, all)
+        keep = corrections.m2po_keep_mask(
+            everyone, torch.zeros_like(everyone), torch.ones_like(everyone), self.args.m2_threshold
+        )[0]  # (all,)
+        start = counts[: self.accelerator.process_index].sum().item()
+        keep = keep[start : start + mine.numel()]  # (this rank's,)
+        for s in slices:
+            valid = s["loss_mask"] > 0  # (n, T)
+            s["m2po_keep"] = torch.ones_like(valid)  # (n, T) True off the loss
+            s["m2po_keep"][valid], keep = keep[: valid.sum()], keep[valid.sum() :]
+        self._set_step_normalisers(slices, group=len(slices))
 
     def _set_step_normalisers(self, slices: list[dict], group: int) -> None:
         """`loss_total` = Z of each optimizer step: its `group` consecutive slices, summed over all ranks (1 gather).
@@ -184,7 +241,7 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         agg = LOSS_TYPES[self.args.loss_type]
         counts = []
         for s in slices:
-            m = s["loss_mask"]  # (n, T)
+            m = s["loss_mask"] * s.get("m2po_keep", 1)  # (n, T) the loss's tokens, less those M2PO dropped
             counts.append(
                 {
                     "token-mean": m.sum(),
@@ -227,6 +284,15 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         common = dict(agg=LOSS_TYPES[a.loss_type], max_new_tokens=self.max_completion_length, total=z)
         eps = dict(clip_eps=self.epsilon_low, clip_eps_high=self.epsilon_high)
         logps = dict(logp=logp, alpha_logp=alpha_logp, advantages=adv, loss_mask=mask)
+        m2po_keep = inputs.get("m2po_keep")  # (n, T) M2PO's kept tokens of the whole step, None without it
+        opsm_keep = None  # (n, 1) the sequences whose surrogate OPSM keeps
+        if a.off_policy_mask_threshold is not None:
+            # as stock TRL: by the sampler's log-probs where vLLM recorded them, else log alpha; A before the
+            # vLLM weight (w >= 0 keeps its sign)
+            sampling = inputs.get("sampling_per_token_logps", alpha_logp)
+            opsm_keep = corrections.opsm_keep_mask(
+                sampling, logp, inputs["advantages"], mask, a.off_policy_mask_threshold
+            )
         if a.policy_loss == "grpo":
             loss, st = objective.policy_loss(
                 **logps,
@@ -236,6 +302,8 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
                 beta=self.beta,
                 # TRL's use_bias_correction_kl (default True): kl_t * rho_t, rho = pi_theta / alpha with grad
                 kl_importance_weight=a.use_bias_correction_kl,
+                keep=m2po_keep,
+                keep_objective=opsm_keep,
                 **eps,
                 **common,
             )
@@ -248,17 +316,23 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
                 self.current_gradient_accumulation_steps if mode == "train" else 1
             )
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather(aux.detach().reshape(1)).mean().item())
-        # Token-weighted means over all ranks in one collective: [5 sums, tokens, max rho'] per rank.
+        # Token-weighted means over all ranks in one collective: [7 sums, tokens, max rho'] per rank.
         m = mask.float()  # (n, T)
         rho_prime = torch.exp(pi_k_logp - alpha_logp) * m  # (n, T) rho', 0 off the mask
         tok = m.sum()
         sums = [rho_prime.sum(), tok * st.get("clip_low", 0.0), tok * st.get("clip_high", 0.0), tok * st.get("kl", 0.0)]
-        row = torch.stack([*sums, (entropy.detach() * m).sum(), tok, rho_prime.max()])
-        g = self.accelerator.gather(row.unsqueeze(0))  # (P, 7)
-        means, seen = (g[:, :5].sum(0) / g[:, 5].sum().clamp(min=1.0)).tolist(), g[:, 5].sum().item() > 0
+        sums.append((entropy.detach() * m).sum())
+        for dropped in (m2po_keep, opsm_keep):  # the loss's tokens each mask dropped (0 without it)
+            sums.append(torch.zeros_like(tok) if dropped is None else (m * ~dropped).sum())
+        row = torch.stack([*sums, tok, rho_prime.max()])
+        g = self.accelerator.gather(row.unsqueeze(0))  # (P, 9)
+        means, seen = (g[:, :7].sum(0) / g[:, 7].sum().clamp(min=1.0)).tolist(), g[:, 7].sum().item() > 0
         keys = ["offpolicy/rho_prime_mean", "clip_ratio/low_mean", "clip_ratio/high_mean", "kl", "entropy"]
-        for key, val in zip(keys + ["offpolicy/rho_prime_max"], means + [g[:, 6].max().item()]):
-            self._metrics[mode][key].append(val if seen else float("nan"))
+        keys += ["offpolicy/m2po_masked_frac", "offpolicy/opsm_masked_frac"]
+        on = [True] * 5 + [a.m2_threshold is not None, a.off_policy_mask_threshold is not None]
+        for key, val, logged in zip(keys + ["offpolicy/rho_prime_max"], means + [g[:, 8].max().item()], on + [True]):
+            if logged:
+                self._metrics[mode][key].append(val if seen else float("nan"))
         return loss
 
     def _save_checkpoint(self, model, trial):

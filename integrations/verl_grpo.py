@@ -51,7 +51,17 @@ Deviations from objective.py:
   3. opmd reads tau_reg from actor.policy_loss.dro_beta (verl's coefficient of the same quadratic log-ratio
      penalty in its "dro" loss), 0.1 (reinforce.opmd_loss's default) when unset.
   4. actor/rho_prime_max is a mean over micro-batches of their maxima: verl averages every loss metric.
+  5. M2PO and OPSM (offpolicy_grpo only; set by the environment variables OFFPOLICY_GRPO_M2_THRESHOLD tau and
+     OFFPOLICY_GRPO_OPSM_DELTA delta, which verl's Ray workers inherit as they do VERL_USE_EXTERNAL_MODULES: verl's
+     PolicyLossConfig takes no field of ours). verl calls the loss once per micro-batch, on one rank, with its
+     normaliser counted beforehand from response_mask: M2PO's ranking runs over the call's tokens (AReaL's own
+     granularity, its loss function is called per micro-batch too; train.py ranks the whole step, which is this
+     with one micro-batch a step on one rank), and the tokens it drops add 0 but stay in verl's normaliser, where
+     train.py takes them out. OPSM is a per-sequence mask and keeps the normaliser in train.py and TRL too: it is
+     exact here. verl's KL loss (use_kl_loss) is its own term and neither mask touches it.
 """
+
+import os
 
 import numpy as np
 import torch
@@ -60,12 +70,29 @@ from verl.trainer.ppo.core_algos import agg_loss, register_adv_est, register_pol
 
 import advantage
 import objective
-from variants import reinforce
+from variants import corrections, reinforce
 
 # verl's own guard on log-ratios before exp (core_algos, rollout_corr_helper)
 LOG_RATIO_BOUND = 20.0
 # reinforce.opmd_loss's default tau_reg, used when actor.policy_loss.dro_beta is unset
 OPMD_TAU_DEFAULT = 0.1
+# Deviation 5: the staleness masks of offpolicy_grpo, read at each call
+M2_THRESHOLD_ENV, OPSM_DELTA_ENV = "OFFPOLICY_GRPO_M2_THRESHOLD", "OFFPOLICY_GRPO_OPSM_DELTA"
+
+
+def _mask_settings() -> tuple[float | None, float | None]:
+    """M2PO's tau and OPSM's delta from the environment (deviation 5); None where unset. ValueError, one line,
+    for a value that is not a number or out of range (corrections' checks)."""
+    values = []
+    for name in (M2_THRESHOLD_ENV, OPSM_DELTA_ENV):
+        text = os.environ.get(name, "").strip()
+        try:
+            values.append(float(text) if text else None)
+        except ValueError:
+            raise ValueError(f"{name}={text!r}: not a number") from None
+    corrections.check_m2_threshold(values[0])
+    corrections.check_opsm_delta(values[1])
+    return values[0], values[1]
 
 
 def _clip_widths(config) -> tuple[float, float]:
@@ -74,6 +101,12 @@ def _clip_widths(config) -> tuple[float, float]:
     eps_low = config.get("clip_ratio_low", None)
     eps_high = config.get("clip_ratio_high", None)
     return (eps if eps_low is None else eps_low), (eps if eps_high is None else eps_high)
+
+
+def _no_masks(loss_mode: str) -> None:
+    """[B]'s losses have no surrogate for M2PO or OPSM to mask: a mask set for them is an error, not a no-op."""
+    if any(v is not None for v in _mask_settings()):
+        raise ValueError(f"{M2_THRESHOLD_ENV} / {OPSM_DELTA_ENV} act on loss_mode=offpolicy_grpo only, not {loss_mode}")
 
 
 def _logps(old_log_prob, log_prob, rollout_is_weights):
@@ -134,15 +167,34 @@ def offpolicy_grpo_loss(
     """
     eps_low, eps_high = _clip_widths(config)
     logp, alpha_logp, pi_k_logp, rho_prime, live = _logps(old_log_prob, log_prob, rollout_is_weights)
+    m2_threshold, opsm_delta = _mask_settings()
+    keep, masks = None, {}  # (N, T) the tokens whose surrogate term stays; each mask's dropped tokens
+    if m2_threshold is not None:  # over this call's tokens (deviation 5); log alpha - log pi_k = -log rho'
+        masks["m2po_masked_frac"] = ~corrections.m2po_keep_mask(alpha_logp, pi_k_logp, response_mask, m2_threshold)
+    if opsm_delta is not None:  # by the sampler's log alpha and this forward's pi_theta, detached, as TRL
+        opsm = corrections.opsm_keep_mask(alpha_logp, log_prob, advantages, response_mask, opsm_delta)
+        masks["opsm_masked_frac"] = ~opsm.expand_as(pi_k_logp)
+    for dropped in masks.values():
+        keep = ~dropped if keep is None else keep & ~dropped  # (N, T)
     o = objective.surrogate(
-        logp, alpha_logp, pi_k_logp, advantages, clip_eps=eps_low, clip_eps_high=eps_high, clip_center="pi_k"
+        logp,
+        alpha_logp,
+        pi_k_logp,
+        advantages,
+        clip_eps=eps_low,
+        clip_eps_high=eps_high,
+        clip_center="pi_k",
+        keep=keep,
     )  # (N, T) [A]'s f_eps(rho, rho', A)
+    live = live if keep is None else live & keep  # a dropped token adds 0 and stays in verl's normaliser
     loss = _aggregate(-o.objective, live, response_mask, loss_agg_mode, config)
-    return loss, _metrics(log_prob, old_log_prob, rho_prime, response_mask, pg_clipfrac=o.clip_low | o.clip_high)
+    fractions = dict(pg_clipfrac=o.clip_low | o.clip_high, **masks)
+    return loss, _metrics(log_prob, old_log_prob, rho_prime, response_mask, **fractions)
 
 
 def _rec(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights, is_weight):
     """REC / REC-IS of [B] (reinforce.rec_per_token) on verl's tensors; see `rec_loss` below for the formula."""
+    _no_masks("rec_is" if is_weight else "rec")
     eps_low, eps_high = _clip_widths(config)
     logp, alpha_logp, _, rho_prime, live = _logps(old_log_prob, log_prob, rollout_is_weights)
     o = reinforce.rec_per_token(
@@ -178,6 +230,7 @@ def opmd_loss(
     tau_reg -> actor.policy_loss.dro_beta (0.1 when unset). [B] uses group-mean advantages r - mean(r):
     algorithm.adv_estimator=grpo_masked (or grpo) with algorithm.norm_adv_by_std_in_grpo=False.
     """
+    _no_masks("opmd")
     tau = config.policy_loss.get("dro_beta", None) if config.get("policy_loss", None) is not None else None
     tau = OPMD_TAU_DEFAULT if tau is None else tau
     logp, alpha_logp, _, rho_prime, live = _logps(old_log_prob, log_prob, rollout_is_weights)

@@ -218,3 +218,90 @@ def test_bad_input_is_one_line_and_exit_2(capsys):
         assert trl_grpo.main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and "\n" not in err, err
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_opsm_is_stock_trls_off_policy_mask(policy_dir, tmp_path, loss_type):
+    """off_policy_mask_threshold (OPSM) in the subclass, the alpha centre, v = 1, masking off, beta 0.04: loss and
+    gradient equal stock GRPOTrainer's with the same threshold, over two accumulated slices; the masked sequences
+    stay in the normaliser and keep their KL term in both."""
+    kw = dict(beta=0.04, loss_type=loss_type, per_device_train_batch_size=8, gradient_accumulation_steps=2)
+    kw.update(off_policy_mask_threshold=0.05, use_bias_correction_kl=False)
+    ours = make_trainer(
+        policy_dir, tmp_path / "ours", offpolicy_steps=1, clip_center="alpha", mask_zero_std=False, **kw
+    )
+    stock = make_trainer(policy_dir, tmp_path / "stock", cls=GRPOTrainer, **kw)
+    ours.model.train()
+    stock.model.train()
+    ours._prepare_inputs(rows(ours, 4))
+    slices, dropped = ours._buffered_inputs, 0
+    for i, micro in enumerate(slices):
+        ref, cmask = micro["ref_per_token_logps"], micro["completion_mask"]
+        micro["old_per_token_logps"] = noisy(ref, cmask, seed=1 + i)  # a stale sampler: OPSM has sequences to drop
+        micro["ref_per_token_logps"] = noisy(ref, cmask, seed=3 + i)
+        logp = chunked_token_logprobs(ours.model, *sequences(micro), cmask, 1.0).detach()
+        keep = corrections.opsm_keep_mask(micro["old_per_token_logps"], logp, micro["advantages"], cmask, 0.05)
+        dropped += int((~keep).sum())
+    assert dropped > 0
+    results = {}
+    for name, trainer in (("ours", ours), ("stock", stock)):
+        trainer.current_gradient_accumulation_steps = 2
+        trainer.model.zero_grad()
+        loss = 0.0
+        for micro in slices:
+            step_loss = trainer.compute_loss(trainer.model, micro)
+            step_loss.backward()
+            loss += step_loss.item()
+        results[name] = (loss, [p.grad.clone() for p in trainer.model.parameters()])
+    assert abs(results["ours"][0] - results["stock"][0]) < 1e-5
+    for g_ours, g_stock in zip(results["ours"][1], results["stock"][1]):
+        torch.testing.assert_close(g_ours, g_stock, atol=1e-5, rtol=0)
+    assert ours._metrics["train"]["offpolicy/opsm_masked_frac"][-1] > 0
+
+
+def test_m2po_masks_the_whole_optimizer_step_as_the_loop_does(policy_dir, tmp_path):
+    """m2_threshold (M2PO), v = 2, GA = 2: the mask is computed once over the step's two slices (not per slice), the
+    step's normaliser counts the kept tokens, and the slices' losses add up to the loop's (train.loss_of) on the
+    whole step with corrections.m2po_keep_mask."""
+    tau = 0.02
+    trainer = make_trainer(
+        policy_dir, tmp_path, offpolicy_steps=2, per_device_train_batch_size=8, gradient_accumulation_steps=2,
+        m2_threshold=tau, mask_zero_std=False,
+    )  # fmt: skip
+    trainer.model.train()
+    trainer._prepare_inputs(rows(trainer, 8))  # generates 4 slices; the prepass runs on the first step's two
+    step = trainer._buffered_inputs[:2]
+    assert all("m2po_keep" in s and "pi_k_logps" in s for s in step)
+    assert all("m2po_keep" not in s for s in trainer._buffered_inputs[2:])  # the next step's come at its turn
+    for i, s in enumerate(step):  # a staler alpha than step 0's, then the prepass again
+        s["old_per_token_logps"] = noisy(s["old_per_token_logps"], s["completion_mask"], seed=5 + i, scale=0.2)
+        del s["m2po_keep"]
+    trainer._m2po_prepass(step)
+    cat = lambda key: torch.cat([s[key] for s in step])  # noqa: E731
+    alpha, pi_k, mask, adv = cat("old_per_token_logps"), cat("pi_k_logps"), cat("loss_mask"), cat("advantages")
+    keep = corrections.m2po_keep_mask(alpha, pi_k, mask, tau)  # (2n, T) the whole step's
+    assert torch.equal(cat("m2po_keep"), keep) and 0 < int((~keep).sum()) < int(mask.sum())
+    per_slice = torch.cat([corrections.m2po_keep_mask(s["old_per_token_logps"], s["pi_k_logps"], s["loss_mask"], tau)
+                           for s in step])  # fmt: skip
+    kept = int((mask.bool() & keep).sum())
+    assert step[0]["loss_total"].item() == step[1]["loss_total"].item() == kept
+    trainer.current_gradient_accumulation_steps = 2
+    loss = sum(trainer.compute_loss(trainer.model, s).item() for s in step)
+    whole = {k: cat(k) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+    logp = chunked_token_logprobs(trainer.model, *sequences(whole), whole["completion_mask"], 1.0)
+    cfg = Config(clip_center="pi_k", m2_threshold=tau)
+    loop = train.loss_of(cfg, logp, alpha, pi_k, None, adv, mask, float(kept), m2po_keep=keep)[0].item()
+    assert abs(loss - loop) < 1e-5
+    assert trainer._metrics["train"]["offpolicy/m2po_masked_frac"][-1] > 0
+    assert not torch.equal(per_slice, keep)  # per slice (AReaL's per micro-batch) would mask other tokens
+
+
+def test_masks_refused_where_they_cannot_act(tmp_path):
+    base = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", num_generations=4)
+    for bad, msg in [
+        (dict(m2_threshold=0.0), "m2_threshold"),
+        (dict(off_policy_mask_threshold=-1.0), "off_policy_mask_threshold"),
+        (dict(policy_loss="rec", m2_threshold=0.04), "policy_loss='grpo' only"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            OffPolicyGRPOConfig(**base, **bad)

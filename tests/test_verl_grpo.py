@@ -395,3 +395,67 @@ def test_two_ranks_give_the_one_rank_gradient(name, mode):
     dp = len(ranks)
     torch.testing.assert_close(sum(losses) / dp, loss_one, rtol=1e-7, atol=1e-9)
     torch.testing.assert_close(torch.cat(grads) / dp, grad_one, rtol=1e-7, atol=1e-9)
+
+
+# --------------------------------------------------------------------------- M2PO and OPSM (deviation 5)
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("which", ["m2po", "opsm", "both"])
+def test_masks_equal_objective_policy_loss(mode, which, monkeypatch):
+    """offpolicy_grpo with OFFPOLICY_GRPO_M2_THRESHOLD / _OPSM_DELTA equals objective.policy_loss with the masks of
+    variants.corrections over the call's tokens as keep_objective: the dropped tokens add 0 and stay in verl's
+    normaliser (deviation 5), in value and gradient."""
+    log_prob, old, weights, adv, mask = random_batch(7, n=12)
+    n, t = mask.shape
+    tau, delta = 0.03, 0.02
+    if which != "opsm":
+        monkeypatch.setenv(verl_grpo.M2_THRESHOLD_ENV, str(tau))
+    if which != "m2po":
+        monkeypatch.setenv(verl_grpo.OPSM_DELTA_ENV, str(delta))
+    cfg = actor_config()
+    set_batch_info(cfg, mask, n)
+    loss, metrics, grad = verl_call("offpolicy_grpo", log_prob, old, weights, adv, mask, mode, cfg)
+
+    alpha = sampler_alpha_logp(old, weights)
+    keep = torch.ones_like(mask)
+    m2po = corrections.m2po_keep_mask(alpha, old, mask, tau)
+    opsm = corrections.opsm_keep_mask(alpha, log_prob, adv, mask, delta).expand_as(mask)
+    if which != "opsm":
+        keep = keep & m2po
+        assert 0 < int((mask & ~m2po).sum()) < int(mask.sum())
+        assert metrics["actor/m2po_masked_frac"] == pytest.approx((mask & ~m2po).sum().item() / mask.sum().item())
+    if which != "m2po":
+        keep = keep & opsm
+        assert 0 < int((mask & ~opsm).sum()) < int(mask.sum())
+        assert metrics["actor/opsm_masked_frac"] == pytest.approx((mask & ~opsm).sum().item() / mask.sum().item())
+    logp = log_prob.clone().requires_grad_(True)
+    ref_loss, _ = policy_loss(
+        logp, alpha, old, None, adv, mask, clip_eps=0.2, clip_eps_high=0.28, keep_objective=keep,
+        **objective_agg(mode, n, t),
+    )  # fmt: skip
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(grad, logp.grad, rtol=1e-7, atol=1e-9)
+    monkeypatch.delenv(verl_grpo.M2_THRESHOLD_ENV, raising=False)
+    monkeypatch.delenv(verl_grpo.OPSM_DELTA_ENV, raising=False)
+    plain, _, _ = verl_call("offpolicy_grpo", log_prob, old, weights, adv, mask, mode, cfg)
+    assert abs(plain.item() - loss.item()) > 1e-6  # the masks dropped something that counted
+
+
+def test_mask_settings_are_checked(monkeypatch):
+    log_prob, old, weights, adv, mask = random_batch(3)
+    cfg = actor_config(policy_loss=PolicyLossConfig(loss_mode="rec", dro_beta=0.3))
+    set_batch_info(cfg, mask, mask.shape[0])
+    for env, value, match in [
+        (verl_grpo.M2_THRESHOLD_ENV, "0", "m2_threshold must be > 0"),
+        (verl_grpo.OPSM_DELTA_ENV, "-1", "delta must be >= 0"),
+        (verl_grpo.OPSM_DELTA_ENV, "half", "not a number"),
+    ]:
+        monkeypatch.setenv(env, value)
+        with pytest.raises(ValueError, match=match):
+            verl_call("offpolicy_grpo", log_prob, old, weights, adv, mask, "token-mean", cfg)
+        monkeypatch.delenv(env)
+    monkeypatch.setenv(verl_grpo.OPSM_DELTA_ENV, "0.1")
+    with pytest.raises(ValueError, match="offpolicy_grpo only, not rec"):
+        verl_call("rec", log_prob, old, weights, adv, mask, "token-mean", cfg)
