@@ -411,7 +411,7 @@ def config_from_args(args: argparse.Namespace, given: set[str] | None = None) ->
         raise ConfigError("--resume continues the run in --out and --overwrite deletes it: give one of them")
     path = Path(args.out) / "config.json"
     if not path.is_file():
-        raise ConfigError(f"--resume: {path} not found: {args.out} holds no run")
+        raise ConfigError(f"--resume: {no_run_to_resume(Path(args.out))}")
     try:
         saved = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -430,6 +430,18 @@ def config_from_args(args: argparse.Namespace, given: set[str] | None = None) ->
     for name in set(RESUME_MAY_CHANGE) & (given or set()):  # --steps extends the run, or stops it earlier
         setattr(cfg, name, getattr(args, name))
     return resolve(cfg)
+
+
+def no_run_to_resume(out: Path) -> str:
+    """Why --resume finds no config.json in `out`, and what to do instead (never "--resume" again)."""
+    if not out.exists():
+        return f"{out} does not exist: there is no run to continue; the command without --resume starts one there"
+    if (out / "manifest.json").is_file():  # a run's folder (bookkeeping/manifest.py) that lost its config.json
+        return (
+            f"{out / 'config.json'} is missing, and the run in {out} cannot be continued without it: restore it, "
+            "or start a new run there with --overwrite (it deletes that run's files only)"
+        )
+    return f"{out} holds no run to continue (no config.json): the command without --resume starts a new run there"
 
 
 def absolute(path: str | None) -> str | None:

@@ -74,7 +74,7 @@ from bookkeeping.failures import (
     where_the_run_stands,
 )
 from bookkeeping.metrics import StepStats, Timer, metrics_row, reward_metrics, show
-from bookkeeping.resume import restore, run_state
+from bookkeeping.resume import newest_intact, restore, run_state
 from bookkeeping.run_io import RunWriter
 from config import Config, ConfigError, config_from_args, parse_args, validate
 from engine.chunked_logprobs import chunked_token_logprobs
@@ -559,15 +559,18 @@ def train(cfg: Config) -> dict:
     set_seed(cfg.seed)  # Python's, numpy's and torch's generators, as TRL seeds them (a reward may use any)
     rewards = run_rewards(cfg)
     train_set, heldout = load_problems(cfg, rewards)
-    # --out, claimed: a folder holding another run, or one another process writes, is refused
-    with RunWriter(cfg) as writer:
+    # --out, claimed: a folder holding another run or files of the user's, or one another process writes, is refused;
+    # nothing in it is written or deleted before writer.open below
+    with RunWriter(cfg, open_now=False) as writer:
         # ---- the setup: the policy, its optimizer and pi_ref; the prompts that fit; the sampling generator ----
         device = torch.device(cfg.device)
         warn_of_overlap(train_set, heldout, log=writer.log)
         policy, tokenizer = load_policy(cfg, log=writer.log)  # the built-in tiny policy, or a transformers causal LM
         train_set, heldout = fit_to_context(cfg, policy, tokenizer, train_set, heldout, log=writer.log)
         models = make_models(cfg, policy.to(cfg.device))
-        writer.record({"reward_names": rewards.names, **prompt_record(tokenizer, train_set[0])})
+        picked = newest_intact(cfg, writer) if cfg.resume else None  # verified; a --steps below the run's refused
+        # Every check that can refuse the run has passed: now --overwrite deletes the old run, and the new one starts.
+        writer.open({"reward_names": rewards.names, **prompt_record(tokenizer, train_set[0])})
         v, s = cfg.offpolicy_steps, cfg.lag
         if s:
             schedule = f"at each step k the batch of step k + {s}, a constant lag (log alpha: {cfg.alpha_logp_from})"
@@ -589,7 +592,7 @@ def train(cfg: Config) -> dict:
         # A resumed run keeps its wall clock and its start's held-out metrics, so its summary reads like one run's.
         start_step, wall_before, queue, start = 0, 0.0, None, {}
         if cfg.resume:
-            start_step, start, wall_before, queue, draw.scored = restore(cfg, models, gen, stream, writer)
+            start_step, start, wall_before, queue, draw.scored = restore(cfg, models, gen, stream, writer, picked)
         t0 = time.time() - wall_before
         if not cfg.resume and cfg.eval_start:
             start = evaluate(-1)
@@ -600,7 +603,7 @@ def train(cfg: Config) -> dict:
             check_finite_weights(models.policy, f"step {done - 1}")
             state = run_state(models, gen, stream, queue, done, start, time.time() - t0, draw.scored)
             with signals_wait():
-                save_checkpoint(cfg.out, state, done, cfg.keep_checkpoints)
+                save_checkpoint(cfg.out, state, done, cfg.keep_checkpoints, writer.manifest)
 
         # ---- the loop: step k of Algorithm 1, its metrics row, held-out evaluation, divergence guard, checkpoints ----
         nonfinite = []  # the steps whose update was skipped as not finite (stop_if_diverged)

@@ -19,6 +19,7 @@ line and exits 2.
 """
 
 import errno
+import hashlib
 import os
 import random
 import re
@@ -54,18 +55,25 @@ def latest_checkpoint(out: str) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(out: str, state: dict, step: int, keep: int) -> Path:
-    """Atomically write `state` as the checkpoint after `step` steps; keep the newest `keep`."""
+def save_checkpoint(out: str, state: dict, step: int, keep: int, manifest=None) -> Path:
+    """Atomically write `state` as the checkpoint after `step` steps; keep the newest `keep`.
+
+    With the run's `manifest` (bookkeeping/manifest.py), the file is listed with the sha256 of its bytes, hashed as
+    they are written, before it is renamed into place (a resume checks it: a file damaged since is never trusted);
+    only checkpoints it lists are deleted as old ones (a file of the user's named like one is not ours to delete)."""
     d = checkpoint_dir(out)
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"step-{step:08d}.pt"
     fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".pt")
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            hashed = Hashing(f)
+            torch.save(state, hashed)
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the name says "complete"
         os.chmod(tmp, umask_mode(0o666))
+        if manifest is not None:
+            manifest.add(f"checkpoints/{path.name}", hashed.sha256.hexdigest())
         os.replace(tmp, path)
     except BaseException as e:
         failed = write_error(e, path, "the checkpoint")  # before the unlink: a full disk is still full here
@@ -74,8 +82,34 @@ def save_checkpoint(out: str, state: dict, step: int, keep: int) -> Path:
             raise
         raise failed from None
     for old in sorted(p for p in d.glob("step-*.pt") if NAME.match(p.name))[:-keep]:
-        old.unlink(missing_ok=True)
+        if manifest is None or manifest.owns(f"checkpoints/{old.name}"):
+            old.unlink(missing_ok=True)
+            if manifest is not None:
+                manifest.drop(f"checkpoints/{old.name}")
     return path
+
+
+class Hashing:
+    """A file opened for writing that also hashes what is written to it (torch.save writes a stream: no re-read)."""
+
+    def __init__(self, f):
+        self.f, self.sha256 = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, read a MiB at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
 
 
 def load_checkpoint(path: Path) -> dict:
@@ -122,9 +156,10 @@ def set_rng_state(state: dict, gen: torch.Generator) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def atomic_save_pretrained(model, tokenizer, path: Path) -> None:
+def atomic_save_pretrained(model, tokenizer, path: Path, listed=None) -> None:
     """save_pretrained into a temporary folder, then swap it into `path`. A write that fails removes the temporary
-    folder and raises one OSError naming `path` (`write_error`); a previous `path` stays as it was."""
+    folder and raises one OSError naming `path` (`write_error`); a previous `path` stays as it was. `listed`, given,
+    gets the files' paths relative to path's parent ("final/model.safetensors") before the swap (the manifest)."""
     try:
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     except OSError as e:
@@ -135,6 +170,8 @@ def atomic_save_pretrained(model, tokenizer, path: Path) -> None:
         tokenizer.save_pretrained(tmp)
         for file in tmp.rglob("*"):  # some writers (safetensors) make their files 0600
             os.chmod(file, umask_mode(0o777 if file.is_dir() else 0o666))
+        if listed is not None:
+            listed(sorted(f"{path.name}/{f.relative_to(tmp).as_posix()}" for f in tmp.rglob("*") if f.is_file()))
         swap_into_place(tmp, path)
     except BaseException as e:
         failed = write_error(e, path, "the final model")

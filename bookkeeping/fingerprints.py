@@ -10,8 +10,10 @@ a change.
     --reward module:fn            the module's file, found as problems/user_rewards.py imports it (the working
                                   directory on the path), without importing it
     --reward math, math-symbolic  none: they are the code's own
-    --dataset, --data-files, --eval-files   a local file's bytes; a folder's files each, by relative path; a hub
-                                  name has none (the hub's revision is not ours to pin)
+    --dataset, --data-files, --eval-files   a local file's bytes; a folder's files each, by relative path, but
+                                  for the hidden ones the loader skips too (`problems.tasks.hidden`); a hub
+                                  name has none (the hub's revision is not ours to pin). A run folder inside a
+                                  data folder is refused (run_io.refuse_out_in_data), so none is a run's own file
 
 Each fingerprint is {"flag", "value", "file", "sha256"}, `value` as the flag holds it in config.json. Only the
 reward's own file counts, not the modules it imports.
@@ -24,6 +26,7 @@ import sys
 from pathlib import Path
 
 from config import Config, ConfigError
+from problems.tasks import hidden
 from problems.user_rewards import BUILTIN, is_file_spec
 
 DATA_FLAGS = (("--dataset", "dataset"), ("--data-files", "data_files"), ("--eval-files", "eval_files"))
@@ -84,7 +87,8 @@ def data_files(value: str) -> list[tuple[str, Path]]:
     for root, dirs, files in os.walk(path):
         dirs.sort()
         found += [(str((Path(root) / f).relative_to(path)), Path(root) / f) for f in files]
-    return sorted(found)
+    # What the loader skips (datasets: names starting with '.' or '__', an editor's swap file) is no data.
+    return sorted((name, file) for name, file in found if not hidden(file, path))
 
 
 def fingerprints(cfg: Config) -> list[dict]:

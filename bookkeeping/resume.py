@@ -4,14 +4,17 @@ continues bit for bit (checkpoint.py writes and reads the files atomically).
     run_state   the policy, optimizer, pi_ref, generator, data position, the queue of batches drawn ahead and their
                 scores, and
                 the start's held-out metrics, all of them, so that a resumed run's summary reads like one run's
-    restore     the newest readable checkpoint back into the models, the generator and the prompt stream
+    newest_intact the newest checkpoint whose sha256 is the one recorded, read, before anything is written
+    restore     that checkpoint back into the models, the generator and the prompt stream
 """
 
 import json
+from pathlib import Path
 
 from bookkeeping.checkpoint import (
     checkpoint_dir,
     checkpoints,
+    file_sha256,
     load_checkpoint,
     load_policy_state,
     policy_state,
@@ -69,25 +72,55 @@ def run_state(
     return state
 
 
-def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunWriter):
-    """Load the newest readable checkpoint into the models; returns (step, the start's held-out metrics, wall
-    seconds, the queue of batches drawn ahead or None, the reward functions' Scores of its steps)."""
-    # Complete means renamed into place after an fsync; a file damaged since (a truncated copy, a bad disk) is
-    # passed over for the one before it, with a notice naming both.
+NEEDED = ("policy", "optimizer", "rng", "step", "data_position", "wall_s")  # what every checkpoint of a run holds
+
+
+def newest_intact(cfg: Config, writer: RunWriter) -> tuple[Path, dict]:
+    """The checkpoint a resume continues from, read and checked before anything is written: the newest one whose
+    bytes have the sha256 the run recorded when it wrote them (manifest.json), that torch reads and that holds a
+    run's state for its own step. Each one passed over is one line saying why (damaged, not this run's, unreadable);
+    none left is a ConfigError. A --steps below the steps the run has taken (its checkpoint's, or metrics.jsonl's
+    rows) is refused: a resume continues the run, it does not cut it short."""
     found = checkpoints(cfg.out)
     if not found:
         raise ConfigError(f"--resume: no complete checkpoint in {checkpoint_dir(cfg.out)}")
     for path in reversed(found):
+        recorded = writer.manifest.files.get(f"checkpoints/{path.name}", "unlisted")
+        if recorded == "unlisted":
+            writer.log(f"--resume: skipped {path}: this run did not write it (its manifest.json does not list it)")
+            continue
+        if recorded is not None and file_sha256(path) != recorded:
+            writer.log(f"--resume: skipped {path}: damaged (its sha256 is not the one recorded when it was written)")
+            continue
         try:
             ck = load_checkpoint(path)  # torch.load(weights_only=True): a checkpoint is data, never code
-            break
         except Exception as e:  # a damaged file raises whatever the zip or unpickling layer meets first
             reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
-            writer.log(f"--resume: {path} cannot be read ({reason}); trying the one before it")
+            writer.log(f"--resume: skipped {path}: it cannot be read ({reason})")
+            continue
+        missing = [k for k in NEEDED if not isinstance(ck, dict) or k not in ck]
+        if missing or ck["step"] != int(path.stem.split("-")[1]):
+            what = f"no '{missing[0]}'" if missing else f"it holds step {ck['step']}"
+            writer.log(f"--resume: skipped {path}: not a checkpoint this run wrote ({what})")
+            continue
+        if recorded is None:  # an old run's, written before checkpoints were hashed
+            writer.log(f"--resume: {path} has no recorded sha256 (a run from before they were kept): not verified")
+        break
     else:
-        raise ConfigError(f"--resume: no readable checkpoint in {checkpoint_dir(cfg.out)} (newest: {found[-1]})")
-    if path != found[-1]:
-        writer.log(f"--resume: {found[-1]} was unreadable; resuming from {path}")
+        raise ConfigError(f"--resume: no intact checkpoint in {checkpoint_dir(cfg.out)} (newest: {found[-1]})")
+    taken = max(ck["step"], writer.steps_logged())
+    if cfg.steps < taken:
+        raise ConfigError(
+            f"--resume --steps {cfg.steps}: the run has taken {taken} steps, and a resume continues it: give --steps "
+            f"{taken} or more (a shorter run is a new one: another --out, or --overwrite)"
+        )
+    return path, ck
+
+
+def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunWriter, picked: tuple[Path, dict]):
+    """Load the checkpoint `newest_intact` picked into the models; returns (step, the start's held-out metrics, wall
+    seconds, the queue of batches drawn ahead or None, the reward functions' Scores of its steps)."""
+    path, ck = picked
     load_policy_state(models.policy, ck["policy"])
     saved = ck.get("queue", ck.get("cycle"))  # "cycle": a checkpoint from before the lag, its refresh cycle
     queue = None if saved is None else Queue.from_state(saved, cfg.device)
@@ -98,6 +131,8 @@ def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunW
     stream.position = ck["data_position"]
     # Steps after the checkpoint were logged by the run that died; they will be logged again.
     writer.truncate_metrics(ck["step"])
+    if ck["step"] < cfg.steps:
+        writer.end_passed()
     writer.log(f"resumed from {path} at step {ck['step']}")
     start = ck.get("eval_start")
     if start is None:  # a checkpoint from before the whole start was kept: its two figures

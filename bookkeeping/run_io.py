@@ -32,7 +32,6 @@ import math
 import os
 import resource
 import secrets
-import shutil
 import string
 import tempfile
 from dataclasses import asdict
@@ -42,20 +41,8 @@ import torch
 
 from bookkeeping.checkpoint import atomic_save_pretrained, checkpoint_dir, checkpoints, umask_mode
 from bookkeeping.fingerprints import check_unchanged, fingerprints
+from bookkeeping.manifest import LOCK, Manifest, remove, run_config, sort_out, the_run
 from config import Config, ConfigError
-
-LOCK = ".lock"  # holds the writer's pid; locked (flock) while it runs
-RUN_FILES = (
-    "config.json",
-    "metrics.jsonl",
-    "completions.jsonl",
-    "summary.json",
-    "curves.png",
-    "final",
-    "checkpoints",
-    "tensorboard",
-    "wandb",
-)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -96,30 +83,40 @@ def to_json(value, *, digits: int | None = None, **kw) -> str:
     return json.dumps(json_safe(value, digits), allow_nan=False, **kw)
 
 
-def ours(name: str) -> bool:
-    """A name in the run folder that a run writes: its files and folders, our temporary names (`.NAME.xxxx`,
-    `.final.old`) and the lock. Anything else is the user's, never deleted (not even by --overwrite)."""
-    return name == LOCK or name in RUN_FILES or any(name.startswith(f".{run_file}.") for run_file in RUN_FILES)
+def shown(paths: list[str]) -> str:
+    """Up to five paths, then how many more."""
+    return ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
 
 
 def foreign_files(out: Path) -> list[str]:
-    """The names in `out` that are not a run's: files a run does not write (sorted), after config.json when it
-    is not a run's (another program's: a model folder's)."""
-    names = sorted(p.name for p in out.iterdir())
-    foreign = [name for name in names if not ours(name)]
-    if "config.json" in names:
-        try:
-            config = json.loads((out / "config.json").read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            config = None
-        if not (isinstance(config, dict) and {"offpolicy_steps", "group_size"} <= config.keys()):
-            foreign.insert(0, "config.json")
-    return foreign
+    """The paths under `out`, at any depth, that its run did not write (bookkeeping/manifest.py): all of them in a
+    folder that holds no run."""
+    return sort_out(out, the_run(out))[1]
 
 
-def is_run(out: Path) -> bool:
-    """True when the folder holds only what a run writes (and our temporary files), its config.json a run's."""
-    return not foreign_files(out)
+def refuse_foreign(out: Path, foreign: list[str]) -> None:
+    if foreign:
+        raise ConfigError(
+            f"--out {out} holds files that are not a run's ({shown(foreign)}): nothing was deleted; move them, or "
+            "choose another --out"
+        )
+
+
+DATA_FOLDERS = (("--dataset", "dataset"), ("--eval-files", "eval_files"), ("--data-files", "data_files"))
+
+
+def refuse_out_in_data(cfg: Config) -> None:
+    """--out inside a data folder is refused: the folder's loader (datasets) would read the run's own files
+    (metrics.jsonl, completions.jsonl) as data, and a resume would find the data changed by the run itself."""
+    out = Path(cfg.out).expanduser().resolve()
+    for flag, name in DATA_FOLDERS:
+        value = getattr(cfg, name, None)
+        folder = Path(value).expanduser().resolve() if value else None
+        if folder is not None and folder.is_dir() and (out == folder or folder in out.parents):
+            raise ConfigError(
+                f"--out {cfg.out} is inside {flag} {value}: its loader would read the run's files as data; "
+                "choose an --out outside that folder"
+            )
 
 
 def has_metrics_row(out: Path) -> bool:
@@ -144,15 +141,17 @@ def unstarted(out: Path) -> bool:
 
 def check_fresh(out: Path, overwrite: bool) -> None:
     """A new run's folder must be absent, empty, hold a run that never finished a step, or (with --overwrite) hold
-    a run; raise ConfigError otherwise, naming the files in the way."""
-    if not out.is_dir() or not [p for p in out.iterdir() if p.name != LOCK]:
+    a run and nothing else; raise ConfigError otherwise, naming the files in the way (at any depth) and what to do."""
+    if not out.is_dir():
         return
-    foreign = foreign_files(out)
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise ConfigError(f"--out {out} holds files that are not a run's ({shown}): move them, or choose another --out")
+    refuse_foreign(out, foreign_files(out))
     if overwrite or unstarted(out):
         return
+    if run_config(out) is None:
+        raise ConfigError(
+            f"--out {out} holds a run whose config.json is missing or damaged, so --resume cannot continue it: "
+            "--overwrite starts a new run there (deleting that run's files only), or choose another --out"
+        )
     if not checkpoints(str(out)):
         raise ConfigError(
             f"--out {out} already holds a run, which saved no checkpoint to resume from (--save-every writes them): "
@@ -162,8 +161,9 @@ def check_fresh(out: Path, overwrite: bool) -> None:
 
 
 def check_resumable(out: Path) -> None:
-    """--resume needs a checkpoint; without one, a ConfigError that says what starts the run over (as check_fresh
-    says for a new run on the same folder)."""
+    """--resume needs a checkpoint, and nothing of the user's in final/ (which the run's end replaces); without
+    them, a ConfigError that says what to do (as check_fresh says for a new run on the same folder)."""
+    refuse_foreign(out, [p for p in foreign_files(out) if p.startswith("final/")])
     if checkpoints(str(out)):
         return
     if unstarted(out):
@@ -196,7 +196,8 @@ def take_lock(out: Path):
 
 def claim_run_folder(out: Path, resume: bool, overwrite: bool):
     """Create (or check) the run folder and take its lock; returns the lock's open file, which holds the lock until
-    it is closed or the process ends. Every refusal is a one-line ConfigError, and nothing is written before it."""
+    it is closed or the process ends. Every refusal is a one-line ConfigError, and nothing but the lock is written
+    (and --out made, when it did not exist)."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder")
     if (out / LOCK).is_file():  # first: a run being written is "in use", whatever else the folder holds
@@ -216,10 +217,8 @@ def claim_run_folder(out: Path, resume: bool, overwrite: bool):
     lock.flush()
     if not resume:
         check_fresh(out, overwrite)  # again, now that no other process can write here
-        for name in os.listdir(out):  # --overwrite, or a start that never finished a step: its files, nothing else
-            path = out / name
-            if ours(name) and name != LOCK:
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+    # An old run's files (--overwrite, a start that never finished a step) are deleted by RunWriter.open, once every
+    # check that can refuse the new run has passed.
     return lock
 
 
@@ -266,41 +265,92 @@ class RunWriter:
     """The run's output folder: config, per-step metrics, completions, messages, final model, summary; and the
     scalars again to TensorBoard and Weights & Biases (--report-to)."""
 
-    def __init__(self, cfg: Config):
-        self.out = Path(cfg.out)
-        self.fresh, self.created, self.started = not cfg.resume, not self.out.exists(), False
+    def __init__(self, cfg: Config, open_now: bool = True):
+        """Claim --out (checks and the lock; nothing else written), then, unless `open_now` is False, `open` it."""
+        self.cfg, self.out = cfg, Path(cfg.out)
+        self.fresh, self.created, self.started, self.opened = not cfg.resume, not self.out.exists(), False, False
+        refuse_out_in_data(cfg)
+        made_lock = not (self.out / LOCK).exists()
         self._lock = claim_run_folder(self.out, cfg.resume, cfg.overwrite)
+        self._made_lock = made_lock
         self._tb = self._wandb = self._completions = None
         self._metrics = None
+        # The run's manifest: for a resume the run's own (an old run's built from its files' names), which the
+        # checkpoints' sha256 come from; a new run's is made by `open`.
+        self.manifest = the_run(self.out) if cfg.resume else None
+        if cfg.resume and self.manifest is None:
+            self.close()
+            config = self.out / "config.json"
+            raise ConfigError(f"--resume: {config} is not a run's: {self.out} holds no run to continue")
+        if open_now:
+            self.open()
+
+    def open(self, record: dict | None = None) -> None:
+        """Start writing the run, once everything that can refuse it has run (the flags, the model, the tokenizer, the
+        data and their fit: train.train calls this after them): the last checks (fingerprints on a resume, the
+        --report-to packages and wandb's key), then a new run deletes the old run's files in --out (--overwrite, a
+        start that never finished a step; never anything else) and writes its manifest, config.json (with `record`'s
+        entries) and logs. A failure here leaves no run behind (`discard_if_unstarted`)."""
+        cfg = self.cfg
         try:
-            self._open(cfg)
+            previous = read_json(self.out / "config.json") if cfg.resume else {}
+            # What the run is trained on: recorded at the start, and a resume refuses a change (before any write).
+            found = fingerprints(cfg)
+            if cfg.resume:
+                check_unchanged(previous.get("fingerprints"), found, self.out / "config.json", self.log)
+            targets = cfg.report_to.split(",")
+            if "tensorboard" in targets:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+                except ImportError:
+                    raise ConfigError("--report-to tensorboard: install the tensorboard package first") from None
+            if "wandb" in targets:
+                check_wandb()
+            if self.fresh:
+                check_fresh(self.out, cfg.overwrite)  # again: the folder may have changed while the model loaded
+                remove(self.out, [p for p in sort_out(self.out, the_run(self.out))[0] if p != LOCK])
+                self.manifest = Manifest(self.out)
+            self.manifest.save()  # an old run's, resumed, gets one now
+            self.opened = True
+            self._config, self._extra = asdict(cfg), {"fingerprints": found, **(record or {})}
+            self.manifest.add_all(["config.json", "metrics.jsonl"] + ["completions.jsonl"] * bool(cfg.log_completions))
+            self._write_config()
+            # A fresh run starts fresh logs; a resumed one appends (after truncate_metrics).
+            self._metrics = open(self.out / "metrics.jsonl", "a" if cfg.resume else "w")
+            if cfg.log_completions:
+                self._completions = open(self.out / "completions.jsonl", "ab" if cfg.resume else "wb", buffering=0)
+            if "tensorboard" in targets:
+                with self._owning("tensorboard"):  # its event file's name is TensorBoard's: listed once made
+                    self._tb = SummaryWriter(str(self.out / "tensorboard"))
+            if "wandb" in targets:
+                with self._owning("wandb"):  # wandb's run folder, whole, and its links
+                    self._wandb = start_wandb(cfg, self.out, previous.get("wandb_run_id"))
+                self.record({"wandb_run_id": self._wandb.id})
         except BaseException:
             self.discard_if_unstarted()
             self.close()
             raise
 
-    def _open(self, cfg: Config) -> None:
-        previous = read_json(self.out / "config.json") if cfg.resume else {}
-        # What the run is trained on: recorded at the start, and a resume refuses a change (before any write).
-        found = fingerprints(cfg)
-        if cfg.resume:
-            check_unchanged(previous.get("fingerprints"), found, self.out / "config.json", self.log)
-        self._config, self._extra = asdict(cfg), {"fingerprints": found}
-        self._write_config()
-        # A fresh run starts fresh logs; a resumed one appends (after truncate_metrics).
-        self._metrics = open(self.out / "metrics.jsonl", "a" if cfg.resume else "w")
-        if cfg.log_completions:
-            self._completions = open(self.out / "completions.jsonl", "ab" if cfg.resume else "wb", buffering=0)
-        targets = cfg.report_to.split(",")
-        if "tensorboard" in targets:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise ConfigError("--report-to tensorboard: install the tensorboard package first") from None
-            self._tb = SummaryWriter(str(self.out / "tensorboard"))
-        if "wandb" in targets:
-            self._wandb = start_wandb(cfg, self.out, previous.get("wandb_run_id"))
-            self.record({"wandb_run_id": self._wandb.id})
+    @contextlib.contextmanager
+    def _owning(self, folder: str):
+        """List in the manifest what another program makes in `folder` under names of its own: the files, and the
+        folders (whole), that were not there before."""
+        before = set(os.listdir(self.out / folder)) if (self.out / folder).is_dir() else set()
+        try:
+            yield
+        finally:
+            for name in sorted(set(os.listdir(self.out / folder)) - before if (self.out / folder).is_dir() else ()):
+                path = self.out / folder / name
+                if path.is_dir() and not path.is_symlink():
+                    self.manifest.add_folder(f"{folder}/{name}")
+                else:
+                    self.manifest.add(f"{folder}/{name}")
+
+    def end_passed(self) -> None:
+        """A resume that runs further steps: summary.json describes an end the run now goes past, so it goes
+        (the run's end writes the new one); final/ stays until then."""
+        (self.out / "summary.json").unlink(missing_ok=True)
+        self.manifest.drop("summary.json")
 
     def record(self, extra: dict) -> None:
         """Add entries to config.json beside the Config's fields (the prompts' template, the reward names, ...)."""
@@ -370,7 +420,13 @@ class RunWriter:
             if self._completions is not None:
                 self._completions = open(path, "ab", buffering=0)
 
-    def _rows_before(self, path: Path, step: int, per_row: int) -> list[dict]:
+    def steps_logged(self) -> int:
+        """The steps metrics.jsonl holds a row of (the last row's step, plus one); 0 without the file."""
+        path = self.out / "metrics.jsonl"
+        rows = self._rows_before(path, math.inf, per_row=1, quiet=True) if path.is_file() else []
+        return rows[-1]["step"] + 1 if rows else 0
+
+    def _rows_before(self, path: Path, step: float, per_row: int, quiet: bool = False) -> list[dict]:
         """The rows of `path` logged before step `step`. The run logs in step order, one metrics row a step
         (`per_row` 1) or several completions (0), so the step of a row whose "step" is not an int (a file
         written before a reward's metrics had a prefix of their own, where a function could log "step") is the
@@ -383,7 +439,8 @@ class RunWriter:
             except json.JSONDecodeError:
                 if i < len(lines):
                     raise ConfigError(f"{path}:{i}: not valid JSON; the run's {path.name} is damaged") from None
-                self.log(f"{path}:{i}: dropped a torn last line (the run was stopped while writing it)")
+                if not quiet:
+                    self.log(f"{path}:{i}: dropped a torn last line (the run was stopped while writing it)")
                 continue
             if not isinstance(row, dict):
                 raise ConfigError(f"{path}:{i}: not a JSON object; the run's {path.name} is damaged")
@@ -395,7 +452,10 @@ class RunWriter:
 
     def finish(self, model, tokenizer, summary: dict) -> None:
         self._close_logs()
-        atomic_save_pretrained(model, tokenizer, self.out / "final")
+        # final/ is replaced whole: a file of the user's put in it since the start stops the run first, named.
+        refuse_foreign(self.out, [p for p in sort_out(self.out, self.manifest)[1] if p.startswith("final/")])
+        atomic_save_pretrained(model, tokenizer, self.out / "final", lambda names: self.manifest.add_all(names))
+        self.manifest.add_all(["summary.json", "curves.png"])
         atomic_write_text(self.out / "summary.json", to_json(summary, indent=2) + "\n")
         try:
             write_curves(self.out, summary)
@@ -429,19 +489,17 @@ class RunWriter:
             self.close()
 
     def discard_if_unstarted(self) -> None:
-        """A fresh run that has not finished a step yet (nothing to resume) leaves no run behind: its files go,
-        and so does --out if this run made it; the same command then works again without --overwrite."""
+        """A fresh run that has not finished a step yet (nothing to resume) leaves no run behind: the files it wrote
+        go (its manifest's, never anything else), and so does --out if this run made it; the same command then works
+        again without --overwrite. Before `open` it wrote nothing but the lock: an old run it was to replace stays."""
         if not self.fresh or self.started:
             return
         self._close_logs(exit_code=1)
-        for name in RUN_FILES:
-            path = self.out / name
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            elif path.exists():
-                path.unlink()
-        with contextlib.suppress(OSError):
-            (self.out / LOCK).unlink()  # still locked by us: another process that opened it cannot take it
+        if self.opened:
+            remove(self.out, [p for p in sort_out(self.out, self.manifest)[0] if p != LOCK])
+        if self.opened or self._made_lock:
+            with contextlib.suppress(OSError):
+                (self.out / LOCK).unlink()  # still locked by us: another process that opened it cannot take it
         if self.created:
             with contextlib.suppress(OSError):
                 self.out.rmdir()  # only if empty
@@ -478,16 +536,8 @@ def start_wandb(cfg: Config, out: Path, run_id: str | None):
     Online, wandb needs an API key: without one it would prompt for it (or, with no terminal, raise from deep
     inside), so a run with no key and no offline mode stops here, before step 1, in one line that says how to go
     on; so does any other failure of wandb.init (a bad key, no network)."""
-    try:
-        import wandb
-    except ImportError:
-        raise ConfigError("--report-to wandb: install the wandb package first (pip install -e '.[wandb]')") from None
+    wandb = check_wandb()
     offline = wandb_offline()
-    if not offline and not wandb_has_key(wandb):
-        raise ConfigError(
-            "--report-to wandb: no W&B API key: set WANDB_API_KEY, run `wandb login`, or log offline with "
-            "WANDB_MODE=offline (wandb sync uploads the run later)"
-        )
     (out / "wandb").mkdir(exist_ok=True)
     try:
         return wandb.init(
@@ -511,6 +561,20 @@ def start_wandb(cfg: Config, out: Path, run_id: str | None):
             f"--report-to wandb: wandb.init failed ({type(e).__name__}: {reason}); WANDB_MODE=offline logs without "
             "the server"
         ) from None
+
+
+def check_wandb():
+    """wandb, imported, with an API key or an offline mode: else a ConfigError that says how to go on."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("--report-to wandb: install the wandb package first (pip install -e '.[wandb]')") from None
+    if not wandb_offline() and not wandb_has_key(wandb):
+        raise ConfigError(
+            "--report-to wandb: no W&B API key: set WANDB_API_KEY, run `wandb login`, or log offline with "
+            "WANDB_MODE=offline (wandb sync uploads the run later)"
+        )
+    return wandb
 
 
 WANDB_OFFLINE = ("offline", "dryrun", "disabled")

@@ -217,15 +217,24 @@ def test_a_torn_last_metrics_line_is_dropped_with_a_notice(finished_run, tmp_pat
 def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(finished_run, tmp_path, main):
     out = copy_run(finished_run, tmp_path / "run")
     newest = out / "checkpoints" / "step-00000002.pt"
-    newest.write_bytes(newest.read_bytes()[:1000])  # truncated: a copy cut short
+    whole = newest.read_bytes()
+    newest.write_bytes(whole[:1000])  # truncated: a copy cut short; its sha256 is not the one recorded
     r = main("--resume", "--out", out)
     assert r.returncode == 0, r.stderr[-2000:]
     log = r.stdout + r.stderr
-    assert "step-00000002.pt cannot be read" in log and "resuming from" in log and "step-00000001.pt" in log
+    assert (
+        "skipped " + str(newest) + ": damaged" in log and "resumed from" in log and "step-00000001.pt at step 1" in log
+    )
+    # A run from before checkpoints were hashed (no manifest.json): an unreadable file is found by reading it.
+    (out / "manifest.json").unlink()
+    newest.write_bytes(whole[:1000])
+    r = main("--resume", "--out", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "step-00000002.pt: it cannot be read" in r.stdout + r.stderr and "at step 1" in r.stdout + r.stderr
     (out / "checkpoints" / "step-00000001.pt").write_bytes(b"not a checkpoint")
     newest.write_bytes(b"")
     r = main("--resume", "--out", out)
-    one_line_error(r, 2, "no readable checkpoint", "step-00000002.pt")
+    one_line_error(r, 2, "no intact checkpoint", "step-00000002.pt")
 
 
 # --- divergence never reaches a checkpoint ------------------------------------------------------------------------
@@ -516,3 +525,88 @@ def test_a_refused_folder_names_the_files_in_the_way_and_no_others(finished_run,
         write(out / f"mine{i}.txt", "x")
     line = one_line_error(main(*tiny(warm_cache, out, 1, *overwrite)), 2, "and 1 more")
     assert ".env, mine0.txt, mine1.txt, mine2.txt, mine3.txt and 1 more" in line
+
+
+# --- issue 51: nothing of the user's is ever deleted; every check before the old run goes -------------------------
+
+
+def users_files(folder: Path, *names: str) -> None:
+    for name in names:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        write(folder / name, f"the user's {name}")
+
+
+@pytest.mark.parametrize(
+    "run, overwrite, files",
+    [
+        (False, [], ["tensorboard/old_experiment/events.out.tfevents.1", "wandb/run-notes.txt"]),
+        (False, [], ["checkpoints/checkpoint-500/pytorch_model.bin"]),
+        (True, ["--overwrite"], ["checkpoints/best-so-far.pt", "checkpoints/README.txt", ".config.json.orig"]),
+        (True, ["--overwrite"], ["final/model.bin", "wandb/notes/.keep"]),
+        (False, ["--overwrite"], ["final/model.bin"]),
+    ],
+)
+def test_files_of_ones_own_at_any_depth_are_named_and_left_in_place(
+    finished_run, tmp_path, warm_cache, main, run, overwrite, files
+):
+    out = copy_run(finished_run, tmp_path / "run") if run else tmp_path / "run"
+    users_files(out, *files)
+    before = snapshot(out)
+    line = one_line_error(main(*tiny(warm_cache, out, 1, *overwrite)), 2, "not a run's", "nothing was deleted")
+    assert all(name in line for name in files) and snapshot(out) == before
+    if not run:  # a folder that never was a run is not called one, and --resume does not send the user back
+        line = one_line_error(main("--resume", "--out", out), 2, "holds no run to continue")
+        assert "without --resume" in line and snapshot(out) == before
+
+
+def test_the_two_config_json_messages_say_what_to_do(finished_run, tmp_path, warm_cache, main):
+    out = copy_run(finished_run, tmp_path / "run")
+    (out / "config.json").unlink()  # a run that lost its config.json: it cannot be resumed
+    before = snapshot(out)
+    line = one_line_error(main(*tiny(warm_cache, out, 1)), 2, "config.json is missing or damaged", "--overwrite")
+    assert "--resume continues" not in line
+    one_line_error(main("--resume", "--out", out), 2, "config.json is missing", "restore it", "--overwrite")
+    assert snapshot(out) == before
+    r = main(*tiny(warm_cache, out, 1, "--overwrite"))  # what both said: it works
+    assert r.returncode == 0 and steps_logged(out) == [0], r.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--model", "Qwen/Qwen2.5-0.5B-Instrct"], "cannot be loaded"),
+        (["--max-new-tokens", "100000"], "leaves no room for a prompt"),
+        (["--dataset", "chat.jsonl", "--max-new-tokens", "8"], "needs a chat template"),
+    ],
+)
+def test_overwrite_deletes_the_old_run_only_after_every_check_passed(
+    finished_run, tmp_path, warm_cache, main, monkeypatch, extra, words
+):
+    monkeypatch.chdir(tmp_path)
+    chat = [{"prompt": [{"role": "user", "content": f"{a}+1="}], "answer": str(a + 1)} for a in range(20)]
+    write(tmp_path / "chat.jsonl", "".join(json.dumps(row) + "\n" for row in chat))
+    out = copy_run(finished_run, tmp_path / "run")
+    before = snapshot(out)
+    r = main(*tiny(warm_cache, out, 1, "--overwrite", *extra))
+    assert r.returncode == 2 and words in r.stderr, r.stderr[-2000:]
+    lock = ".lock"  # holds the pid of the last process that claimed the folder: this one's
+    assert {k: v for k, v in snapshot(out).items() if k != lock} == {k: v for k, v in before.items() if k != lock}
+
+
+def test_a_manifest_lists_every_file_the_run_wrote_and_overwrite_deletes_those(
+    finished_run, tmp_path, warm_cache, main
+):
+    from bookkeeping.manifest import Manifest, sort_out
+
+    out = copy_run(finished_run, tmp_path / "run")
+    manifest = Manifest.load(out)
+    on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} - {".lock", "manifest.json"}
+    assert set(manifest.files) == on_disk  # every file the run wrote, none other
+    ours, theirs = sort_out(out, manifest)
+    assert set(ours) == on_disk | {".lock", "manifest.json"} and theirs == []
+    r = main(*tiny(warm_cache, out, 1, "--overwrite", "--report-to", "tensorboard"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    manifest = Manifest.load(out)
+    on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} - {".lock", "manifest.json"}
+    assert set(manifest.files) == on_disk and any(f.startswith("tensorboard/events.out.tfevents.") for f in on_disk)
+    assert not (out / "checkpoints").exists()  # the old run's, deleted by name
