@@ -173,7 +173,7 @@ def fit_policy(cfg: Config, model):
 #   --micro-batch  the largest divisor of N with  rows x length x activation_bytes_per_token  <=  U - head_bytes
 #       and rows x length <= MICRO_BATCH_TOKENS = 16,384: a micro-batch that size keeps a GPU's matmuls busy
 #       (16k x H x I each), and more rows at once would only spend memory (at the benchmark's shape on an H200 these
-#       rules would plan 128 rows, ~93 GB, where 32 rows plan ~36 GB)
+#       rules would plan 128 rows, ~101 GB, where 32 rows plan ~38 GB)
 #   --sample-rows  the most rows with  rows x sample_bytes_per_row  <=  SAMPLE_SHARE x U
 #       SAMPLE_SHARE = 1/2: the static decoder keeps its KV cache through the update, whose micro-batch is sized
 #       afterwards from what sampling left. A 24, 40 or 80 GB device each gets defaults that fit: tests/test_gpu_path.
@@ -187,16 +187,21 @@ def activation_bytes_per_token(config, checkpointing: bool, dtype: torch.dtype) 
     """A decoder's activations kept for the backward, per token, with matmuls in `dtype` (the autocast dtype, or the
     weights' own without autocast) and a float32 residual stream. In each layer:
 
-        b (6 H + 4 I) + 4 (4 H)    b = dtype's bytes: the matmuls' inputs and outputs (q, k, v, attention out,
-                                   o_proj; gate, up, their product), and the residual stream and norm inputs
+        b (10 H + 4 I) + 4 (4 H)   b = dtype's bytes. 10 H: autocast casts the normed input once for each of q, k,
+                                   v (3 H) and of gate, up (2 H); q, its rotated half, its cast for the attention,
+                                   the attention's output and o_proj's contiguous input (5 H). 4 I: gate, up,
+                                   silu(gate), their product. 4 H float32: the residual stream before and after the
+                                   attention, and each norm's normalised input. (k and v are GQA-small: left out.)
         layers x that              all of it; with gradient checkpointing: 4 H x layers (each layer's float32
                                    input) + one layer's, recomputed one layer at a time
 
-    A rule of thumb (Korthikanti et al. 2022 count the same tensors): it sizes the default micro-batch."""
+    Counted op by op on transformers' Qwen2/Llama layers (Korthikanti et al. 2022 count the same way); without
+    autocast the three and two casts are one shared tensor each, so this overcounts a float32 run. It sizes the
+    default micro-batch."""
     h = config.hidden_size
     i = getattr(config, "intermediate_size", None) or 4 * h
     b = torch.empty((), dtype=dtype).element_size()
-    per_layer = b * (6 * h + 4 * i) + 4 * 4 * h
+    per_layer = b * (10 * h + 4 * i) + 4 * 4 * h
     layers = config.num_hidden_layers
     return 4 * h * layers + per_layer if checkpointing else per_layer * layers
 
