@@ -172,14 +172,10 @@ class Config:
         ["token", "sequence", "geometric"],
     )
     m2_threshold: float | None = arg(
-        None,
-        "M2PO (AReaL's m2_threshold; 0.04 there): the step's tokens of largest (log alpha - log pi_k)^2 leave the "
-        "loss and its normaliser until the mean of the rest is below this (> 0)",
+        None, "M2PO (AReaL's; 0.04): the step's largest (log alpha - log pi_k)^2 leave until the rest's mean is below"
     )
     opsm_delta: float | None = arg(
-        None,
-        "OPSM (DeepSeek-V3.2; TRL's off_policy_mask_threshold): a sequence with A < 0 whose mean log alpha - log "
-        "pi_theta exceeds this loses its surrogate term, kept in the normaliser with its KL term, as TRL (>= 0)",
+        None, "OPSM (TRL's off_policy_mask_threshold): no surrogate for A < 0 and a mean log alpha/pi_theta above"
     )
     kl_estimator: str = arg(
         "k3", "KL estimator: k1 = log(pi_theta/pi_ref), k2 = k1^2 / 2, k3 (Schulman)", ["k1", "k2", "k3"]
