@@ -1,10 +1,13 @@
 """Other engines' staleness corrections, as arguments of [A]'s surrogate: the surrogate is `objective.policy_loss`'s
 (its docstring states every formula; AReaL's decoupled objective is its clip_center="decoupled"), and this file
 computes what truncated importance sampling (TIS) and masked importance sampling (MIS) add to it, at the token,
-sequence and geometric levels, and the statistics of how far the sampler alpha is from pi_k:
+sequence and geometric levels, the two staleness masks the asynchronous trainers ship (M2PO, `m2po_keep_mask`, and
+DeepSeek-V3.2's OPSM, `opsm_keep_mask`), and the statistics of how far the sampler alpha is from pi_k:
 
     policy_loss(logp, alpha_logp, pi_k_logp, ref_logp, A, loss_mask, clip_center=c,
                 **correction_args(alpha_logp, pi_k_logp, loss_mask, clip_center=c, is_cap=C, is_mask=M, is_level=L))
+    policy_loss(..., keep=m2po_keep_mask(alpha_logp, pi_k_logp, loss_mask, tau),
+                keep_objective=opsm_keep_mask(alpha_logp, logp, A, loss_mask, delta))
 
 Names as in objective.py: logp (log pi_theta), pi_k_logp, alpha_logp, ref_logp, each (N, T); rho = pi_theta / alpha,
 rho' = pi_k / alpha, r = pi_theta / pi_k = rho / rho'; rho^L is `level_ratio`'s.
