@@ -81,11 +81,11 @@ def save_checkpoint(out: str, state: dict, step: int, keep: int, manifest=None) 
         if failed is None:
             raise
         raise failed from None
-    for old in sorted(p for p in d.glob("step-*.pt") if NAME.match(p.name))[:-keep]:
-        if manifest is None or manifest.owns(f"checkpoints/{old.name}"):
-            old.unlink(missing_ok=True)
-            if manifest is not None:
-                manifest.drop(f"checkpoints/{old.name}")
+    ours = [p for p in checkpoints(out) if manifest is None or manifest.owns(f"checkpoints/{p.name}")]
+    for old in ours[:-keep]:
+        old.unlink(missing_ok=True)
+        if manifest is not None:
+            manifest.drop(f"checkpoints/{old.name}")
     return path
 
 

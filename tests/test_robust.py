@@ -348,3 +348,63 @@ def test_a_final_model_write_that_fails_keeps_the_previous_one(tmp_path, monkeyp
     assert e.value.errno == code and e.value.filename == str(final) and "writing the final model failed" in str(e.value)
     assert {p.name: p.read_bytes() for p in final.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == ["final"]  # no temporary folder left beside it
+
+
+# --- issue 51: a checkpoint is verified before it is trusted ----------------------------------------------------------
+
+
+def test_a_checkpoint_records_the_sha256_of_its_bytes_and_rotates_only_its_own(tmp_path):
+    import hashlib
+
+    from bookkeeping.manifest import Manifest
+
+    manifest = Manifest(tmp_path)
+    paths = [save_checkpoint(str(tmp_path), {"step": k, "w": torch.arange(3.0) * k}, k, 2, manifest) for k in (1, 2)]
+    for path in paths:  # hashed while written: the same digest as hashlib's over the file read back
+        assert manifest.files[f"checkpoints/{path.name}"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert Manifest.load(tmp_path).files == manifest.files
+    mine = tmp_path / "checkpoints" / "step-00000000.pt"  # the user's, named like one: not ours to delete
+    torch.save({"step": 0}, mine)
+    save_checkpoint(str(tmp_path), {"step": 3}, 3, 2, manifest)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step-00000000.pt",
+        "step-00000002.pt",
+        "step-00000003.pt",
+    ]
+    assert "checkpoints/step-00000001.pt" not in manifest.files
+
+
+def flip_middle(path, n=4096):
+    """XOR n bytes in the middle of a file: same size, still a zip torch may read."""
+    data = bytearray(path.read_bytes())
+    m = len(data) // 2
+    data[m : m + n] = bytes(x ^ 0xFF for x in data[m : m + n])
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_or_foreign_checkpoint_is_skipped_and_the_run_ends_as_the_uninterrupted_one(
+    tmp_path, warm_cache, main
+):
+    from test_run_folder import snapshot, tiny
+
+    full = tmp_path / "full"
+    r = main(*tiny(warm_cache, full, 3, "--save-every", 1, "--keep-checkpoints", 3))
+    assert r.returncode == 0, r.stderr[-2000:]
+    run = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(full), str(run)], check=True)
+    flip_middle(run / "checkpoints" / "step-00000003.pt")
+    flip_middle(run / "checkpoints" / "step-00000002.pt")
+    torch.save({"step": 99}, run / "checkpoints" / "step-00000099.pt")  # torch reads it; the run did not write it
+    final = snapshot(run / "final")
+    r = main("--resume", "--out", run)
+    assert r.returncode == 0, r.stderr[-2000:]
+    skipped = [line for line in (r.stdout + r.stderr).splitlines() if "--resume: skipped" in line]
+    assert len(skipped) == 3 and "step-00000099.pt: this run did not write it" in skipped[0]
+    assert all("damaged" in line for line in skipped[1:]) and "at step 1" in r.stdout + r.stderr
+    # Steps 1 and 2 again from the intact checkpoint: final/ is the uninterrupted run's, byte for byte.
+    assert snapshot(run / "final") == final
+    # An old run (no manifest.json, so no sha256): a file torch reads but the run did not write is skipped too.
+    (run / "manifest.json").unlink()
+    r = main("--resume", "--out", run, "--steps", 3)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "step-00000099.pt: not a checkpoint this run wrote (no 'policy')" in r.stdout + r.stderr

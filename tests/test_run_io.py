@@ -97,7 +97,7 @@ def test_no_file_the_run_writes_holds_nan_or_infinity(tmp_path):
     summary = {"eval_accuracy_start": NAN, "eval_accuracy_end": 0.5, "steps": 1, "eval_rewards/f_end": INF, **nested}
     writer.finish(Saves(), Saves(), summary)
     written = {p.name: p.read_text() for p in out.iterdir() if p.suffix in (".json", ".jsonl")}
-    assert set(written) == {"config.json", "metrics.jsonl", "completions.jsonl", "summary.json"}
+    assert set(written) == {"config.json", "metrics.jsonl", "completions.jsonl", "summary.json", "manifest.json"}
     for name, text in written.items():
         assert "NaN" not in text and "Infinity" not in text, name
         for line in text.splitlines() if name.endswith(".jsonl") else [text]:
@@ -216,3 +216,62 @@ def test_a_full_disk_while_writing_a_file_names_it_and_keeps_the_old_one(tmp_pat
         writer.metrics({"step": 0, "reward": 0.5})
     assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / "run" / "metrics.jsonl")
     writer.close()
+
+
+# --- issue 51: what in --out is the run's (bookkeeping/manifest.py) --------------------------------------------------
+
+
+def test_what_is_the_runs_the_manifest_the_names_of_an_old_run_and_nothing_else(tmp_path):
+    from bookkeeping.manifest import Manifest, remove, sort_out, the_run
+
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "final").mkdir()
+    (out / "wandb" / "offline-run-20260101_000000-abcd1234" / "files").mkdir(parents=True)
+    (out / "wandb" / "run-20260101_000000-other999").mkdir()
+    run = {
+        "config.json": json.dumps({"offpolicy_steps": 1, "group_size": 2, "wandb_run_id": "abcd1234"}),
+        "metrics.jsonl": "",
+        ".lock": "123\n",
+        ".config.json.a1b2c3d4": "",  # our temporary file, left by a process that died writing config.json
+        "checkpoints/step-00000002.pt": "",
+        "checkpoints/.tmp-zz99__aa.pt": "",
+        "final/model.safetensors": "",
+        "final/tokenizer.json": "",
+        "tensorboard/events.out.tfevents.1.host.2.0": "",
+        "wandb/offline-run-20260101_000000-abcd1234/files/output.log": "",
+        "wandb/debug.log": "",
+    }
+    users = {
+        ".config.json.orig": "",  # a hidden file of the user's, named like our temporary ones
+        "checkpoints/step-2.pt": "",
+        "checkpoints/best-so-far.pt": "",
+        "final/model.bin": "",
+        "tensorboard/old/events.out.tfevents.9": "",
+        "wandb/run-20260101_000000-other999/x": "",  # another run's wandb folder
+        "notes.txt": "",
+    }
+    for name, text in {**run, **users}.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    (out / "empty-of-mine").mkdir()
+    # An old run (no manifest.json): its files by the exact names a run writes, the rest the user's.
+    ours, theirs = sort_out(out, the_run(out))
+    assert set(theirs) == set(users) | {"empty-of-mine/"}
+    assert set(ours) == (set(run) - {"wandb/offline-run-20260101_000000-abcd1234/files/output.log"}) | {
+        "wandb/offline-run-20260101_000000-abcd1234/"
+    }
+    remove(out, ours)
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == sorted(users)
+    # A folder with no run: nothing is the run's, not even files named like a run's; another program's .lock neither.
+    (out / "metrics.jsonl").write_text("")
+    (out / ".lock").write_text("held by my own tool")
+    assert sort_out(out, the_run(out))[0] == [] and {".lock", "metrics.jsonl"} <= set(sort_out(out, None)[1])
+    # A manifest: what it lists, and only that (a name it does not list is the user's, whatever it looks like).
+    manifest = Manifest(out, {"metrics.jsonl": None})
+    manifest.save()
+    (out / ".lock").write_text("42\n")
+    ours, theirs = sort_out(out, Manifest.load(out))
+    assert set(ours) == {"metrics.jsonl", "manifest.json", ".lock"} and "checkpoints/step-2.pt" in theirs
+    (out / "manifest.json").write_text('{"files": {"notes.txt": null}}')  # another program's manifest.json: no run
+    assert Manifest.load(out) is None and the_run(out) is None

@@ -376,3 +376,59 @@ def test_a_module_reward_named_like_the_projects_own_is_the_users_file(tmp_path,
     monkeypatch.chdir(tmp_path.parent)  # from elsewhere: the project's reward.py, as `import reward` finds it
     (entry,) = fp.fingerprints(resolve(Config(out="o", reward=["reward:short"])))
     assert entry["file"] == sys.modules["reward"].__file__
+
+
+# --- issue 51: resume means continue; a run can always resume ---------------------------------------------------------
+
+
+def test_a_resume_with_fewer_steps_than_taken_is_refused_and_writes_nothing(tmp_path, warm_cache, main):
+    out = tmp_path / "run"
+    r = main(*tiny(warm_cache, out, 3, "--save-every", 2, "--log-completions", 1))
+    assert r.returncode == 0, r.stderr[-2000:]
+    before = snapshot(out)
+    # Taken: 3 steps, though the newest checkpoint is after 2 (metrics.jsonl's rows count: a run killed, or ended,
+    # after them).
+    for steps in (1, 2):
+        line = one_line_error(main("--resume", "--out", out, "--steps", steps), 2, f"--resume --steps {steps}")
+        assert "the run has taken 3 steps" in line and "--steps 3 or more" in line
+    lock = ".lock"  # the pid of the last process that claimed the folder
+    assert {k: v for k, v in snapshot(out).items() if k != lock} == {k: v for k, v in before.items() if k != lock}
+    # Continued past its end, each step and evaluation is logged once, and summary.json, config.json and
+    # metrics.jsonl agree.
+    r = main("--resume", "--out", out, "--steps", 4)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = jsonl(out / "metrics.jsonl")
+    steps = json.loads((out / "summary.json").read_text())["steps"]
+    assert [m["step"] for m in rows] == [0, 1, 2, 3] and steps == 4 == json.loads((out / "config.json").read_text())[
+        "steps"
+    ]
+    evals = [c["step"] for c in jsonl(out / "completions.jsonl") if c["split"] == "eval"]
+    assert evals == [-1] * 4 + [3] * 4
+
+
+def test_the_data_fingerprint_skips_what_the_loader_skips(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps({"prompt": q, "answer": a}) + "\n" for q, a in ROWS))
+    cfg = resolve(Config(out=str(tmp_path / "run"), dataset=str(data)))
+    before = fp.fingerprints(cfg)
+    assert [e["part"] for e in before] == ["train.jsonl"] and before[0]["sha256"] == sha(data / "train.jsonl")
+    (data / ".train.jsonl.swp").write_text("an editor's swap file")  # datasets skips these: so does the fingerprint
+    (data / "__pycache__").mkdir()
+    (data / "__pycache__" / "x.pyc").write_bytes(b"\0")
+    assert fp.fingerprints(cfg) == before
+    (data / "more.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')  # what the loader reads still counts
+    assert [e["part"] for e in fp.fingerprints(cfg)] == ["more.jsonl", "train.jsonl"]
+
+
+def test_an_out_inside_the_data_folder_is_refused_before_anything_is_written(tmp_path, warm_cache, main):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps({"prompt": q, "answer": a}) + "\n" for q, a in ROWS))
+    before = snapshot(data)
+    for out in (data / "run", data):
+        r = main(*tiny(warm_cache, out, 1, "--dataset", data, "--max-new-tokens", 8))
+        lines = [line for line in r.stderr.splitlines() if line.strip() and not line.startswith("Generating")]
+        assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert f"--out {out} is inside --dataset {data}" in lines[0] and "outside" in lines[0]
+        assert snapshot(data) == before and not (data / "run").exists()
