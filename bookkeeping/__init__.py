@@ -2,7 +2,8 @@
 
 run_io.py       the run folder (--out): claiming it, config.json, metrics.jsonl, completions.jsonl, summary.json,
                 final/, curves.png, TensorBoard and wandb
-checkpoint.py   atomic checkpoints: written to a temporary name, fsynced, renamed into place
+manifest.py     what in --out is the run's: manifest.json lists every path it wrote, the rest is the user's
+checkpoint.py   atomic checkpoints: written to a temporary name, hashed, fsynced, renamed into place
 resume.py       what a checkpoint holds (`run_state`) and how a resume reads it back (`restore`)
 fingerprints.py what the run was trained on (each reward's source, each local data file), checked on resume
 metrics.py      a step's metrics row, the progress bar, the update's statistics, the phase timers

@@ -1,9 +1,12 @@
 """The run's output folder (--out): the folder is the run.
 
 A new run refuses a folder that holds a run (`--resume` continues it, `--overwrite` starts over) or anything that
-is not a run, before it writes anything; one process at a time writes a run (`claim_run_folder`: a lock in the
-folder, released by the operating system when the process ends however it ends). docs/failure-modes.md has the
+is not a run's, at any depth, before it writes anything; one process at a time writes a run (`claim_run_folder`: a
+lock in the folder, released by the operating system when the process ends however it ends). The old run's files
+go only in `RunWriter.open`, once everything that can refuse the new run has passed. docs/failure-modes.md has the
 rules. The files:
+    manifest.json   every path the run wrote, checkpoints with their sha256 (bookkeeping/manifest.py): what
+                    --overwrite deletes, and nothing else
     config.json     the resolved Config, and how the prompts were written (`record`: prompt_template, ...)
     metrics.jsonl   one JSON object per step (docs/metrics.md)
     completions.jsonl  with --log-completions N: N sampled completions a step and the held-out ones, a JSON
