@@ -132,6 +132,11 @@ class Config:
         "failed graph capture falls back to plain with one line)",
         ["auto", "plain", "fast"],
     )
+    compile: bool = arg(
+        False,
+        "torch.compile the fast sampler's step and the LM head's chunk functions (engine/compiled.py); its compile "
+        "seconds are logged. Off until a GPU measures it faster",
+    )
     # --- advantages (step 4) ----------------------------------------------------------------------
     mask_zero_std: bool = arg(
         True, "drop groups whose rewards are all equal from the loss and its normaliser (--no-mask-zero-std keeps them)"

@@ -5,4 +5,5 @@ policy.py            loading the policy (tiny, a GGUF file, any transformers cau
 tiny.py              the built-in 1M-parameter policy and its tokenizer (its weights ship in tiny_policy/)
 chunked_logprobs.py  logprobs.token_logprobs without the N x T x V logits (train.completion_logprobs)
 decoding.py          rollout.sample's loop on a static KV cache, a CUDA graph on a GPU (train.sampling_loop)
+compiled.py          --compile: torch.compile of the static path's sampling step and the head's chunk functions
 """

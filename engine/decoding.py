@@ -350,6 +350,16 @@ def static_sampler(fast: bool | None = None):
     return draw
 
 
+class _Step:
+    """The sampling step `sample_static` calls: rollout.next_token, or its torch.compile'd form (--compile:
+    engine/compiled.py)."""
+
+    next_token = staticmethod(next_token)
+
+
+STEP = _Step()
+
+
 @torch.no_grad()
 def sample_static(
     model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: torch.Tensor, *, max_new_tokens: int, **step
@@ -370,7 +380,7 @@ def sample_static(
         if t > 0:
             logits = dec.decode(model, tokens[-1])  # (N, V)
         # Eager, after the replay (the graph holds the forward alone); check_finite=False: no host sync a step.
-        nxt, logp, entropy, alive, lengths = next_token(
+        nxt, logp, entropy, alive, lengths = STEP.next_token(
             logits, alive, lengths, draw=sample_exponential_race, check_finite=False, **step
         )
         tokens.append(nxt)
