@@ -13,6 +13,8 @@ import train
 from bookkeeping.checkpoint import checkpoints, load_checkpoint, load_policy_state
 from config import Config, resolve
 from conftest import TEST_WARMUP, error_line, jsonl, tiny_run_args
+from problems.prompts import Draw, PromptStream, load_problems, run_rewards
+from problems.tasks import encode_prompts
 from rollout import Queue, Sampled
 
 pytestmark = pytest.mark.model  # trains the tiny model
@@ -172,8 +174,6 @@ def test_a_queued_batch_holds_the_bytes_the_formula_gives(warm_cache, tmp_path, 
             warmup_steps=TEST_WARMUP, cache_dir=warm_cache, out=str(tmp_path), progress=False, eval_size=4,
         )
     )  # fmt: skip
-    from problems.prompts import Draw, PromptStream, load_problems, run_rewards
-
     rewards = run_rewards(cfg)
     train_set, _ = load_problems(cfg, rewards)
     policy, tok = train.load_policy(cfg, log=lambda m: None)
@@ -195,10 +195,18 @@ def test_a_queued_batch_holds_the_bytes_the_formula_gives(warm_cache, tmp_path, 
         assert held(b) == expected, j
 
 
-def test_a_queue_that_cannot_fit_is_refused_with_its_size(tmp_path, warm_cache, main, monkeypatch):
+def test_a_queue_that_cannot_fit_is_refused_with_its_size(tmp_path, warm_cache, main, monkeypatch, tok):
     monkeypatch.setattr(train, "host_available_bytes", lambda: 10**6)  # 1 MB free
     line = error_line(main(*tiny_run_args(warm_cache, tmp_path / "run", *SIGNAL, "--lag", 255)))
-    # 16 rows x (16 P + 24 x 8 + 5) + 4 x 16 x 8 bytes a batch, 256 of them: above half of 1 MB.
-    assert line.startswith("error: --lag 255: the queue of 256 batches drawn ahead needs ")
-    assert "more than half the 0.001 GB free on cpu" in line
+    # N = 16 rows, T = 8, P the longest training prompt (encode_prompts pads the whole set to it): a batch is
+    # 16 (16 P + 24 x 8 + 5) + 4 x 16 x 8 bytes (the formula tested above), 256 of them above half of 1 MB.
+    cfg = resolve(Config(out="x"))
+    prompt_len = encode_prompts(tok, load_problems(cfg, run_rewards(cfg))[0], "cpu")[0].shape[1]
+    per_batch = 16 * (16 * prompt_len + 24 * 8 + 5) + 4 * 16 * 8
+    assert line == (
+        f"error: --lag 255: the queue of 256 batches drawn ahead needs {256 * per_batch / 1e9:.3g} GB (256 x "
+        f"{per_batch / 1e6:.3g} MB), more than half the 0.001 GB free on cpu; lower it, or --prompts-per-step, "
+        "--group-size, --max-new-tokens"
+    )
+    assert not (tmp_path / "run" / "config.json").exists()  # refused before the run folder is written
     assert main(*tiny_run_args(warm_cache, tmp_path / "ok", *SIGNAL, "--lag", 2)).returncode == 0  # 3 fit
