@@ -78,6 +78,7 @@ from bookkeeping.resume import newest_intact, restore, run_state
 from bookkeeping.run_io import RunWriter
 from config import Config, ConfigError, config_from_args, parse_args, validate
 from engine.chunked_logprobs import chunked_token_logprobs
+from engine.compiled import compile_hot_paths, compile_line, compile_seconds
 from engine.decoding import sampling_path, static_sampler
 from engine.policy import (
     Models,
@@ -568,6 +569,8 @@ def train(cfg: Config) -> dict:
         policy, tokenizer = load_policy(cfg, log=writer.log)  # the built-in tiny policy, or a transformers causal LM
         train_set, heldout = fit_to_context(cfg, policy, tokenizer, train_set, heldout, log=writer.log)
         models = make_models(cfg, policy.to(cfg.device))
+        if cfg.compile:  # the fast sampler's step and the head's chunk functions, compiled at their first calls
+            compile_hot_paths()
         check_queue_fits(cfg, tokenizer, train_set, device)  # the batches drawn ahead: a queue that cannot fit refused
         picked = newest_intact(cfg, writer) if cfg.resume else None  # verified; a --steps below the run's refused
         # Every check that can refuse the run has passed: now --overwrite deletes the old run, and the new one starts.
@@ -637,6 +640,8 @@ def train(cfg: Config) -> dict:
             scores = draw.scored.pop(k, None)
             row.update(lr=lr_at(cfg, k), **reward_metrics(scores, rewards.names))
             row.update(sampled_at=res.sampled_at, staleness=k - res.sampled_at)  # the queue's schedule, as it ran
+            if cfg.compile:
+                row.update(compile_s=compile_seconds())  # torch.compile's seconds so far (most in step 0)
             if cfg.log_completions:
                 writer.completions(logged_rows(cfg, tokenizer, k, res, scores, rewards.names))
             if cfg.eval_every and (k + 1) % cfg.eval_every == 0 and k + 1 < cfg.steps:
@@ -665,6 +670,8 @@ def train(cfg: Config) -> dict:
         summary = {f"{key}_{when}": m.get(key) for key in end for when, m in (("start", start), ("end", end))}
         summary.update(steps=cfg.steps, wall_s=time.time() - t0, eval_size=len(heldout), out=str(writer.out))
         writer.log(eval_line(cfg, end, len(heldout), start=start))
+        if cfg.compile:
+            writer.log(compile_line())
         with signals_wait():
             writer.finish(models.policy, tokenizer, summary)
         return summary
