@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 import train
 from bookkeeping.checkpoint import checkpoints, load_checkpoint, load_policy_state
-from config import Config, resolve
+from config import Config, ConfigError, resolve
 from conftest import TEST_WARMUP, error_line, jsonl, tiny_run_args
 from problems.prompts import Draw, PromptStream, load_problems, run_rewards
 from problems.tasks import encode_prompts
@@ -210,3 +210,20 @@ def test_a_queue_that_cannot_fit_is_refused_with_its_size(tmp_path, warm_cache, 
     )
     assert not (tmp_path / "run" / "config.json").exists()  # refused before the run folder is written
     assert main(*tiny_run_args(warm_cache, tmp_path / "ok", *SIGNAL, "--lag", 2)).returncode == 0  # 3 fit
+
+
+def test_on_cuda_the_queue_is_measured_against_what_the_process_may_use(monkeypatch, tok):
+    # No GPU needed: the CUDA branch reads engine.policy.available_bytes (the driver and the allocator), here 2 MB.
+    seen = []
+    monkeypatch.setattr(train, "available_bytes", lambda device: seen.append(device) or 2 * 10**6)
+    monkeypatch.setattr(train, "host_available_bytes", lambda: pytest.fail("a CPU figure for a CUDA run"))
+    cfg = resolve(Config(out="x", lag=99))
+    train_set = load_problems(cfg, run_rewards(cfg))[0]
+    with pytest.raises(
+        ConfigError, match=r"^--lag 99: the queue of 100 batches .* more than half the 0.002 GB free on cuda:0;"
+    ):
+        train.check_queue_fits(cfg, tok, train_set, torch.device("cuda:0"))
+    train.check_queue_fits(resolve(Config(out="x", lag=9)), tok, train_set, torch.device("cuda:0"))  # 10 fit
+    assert seen == [torch.device("cuda:0")] * 2
+    train.check_queue_fits(resolve(Config(out="x")), tok, train_set, torch.device("cuda:0"))  # on-policy: no queue
+    assert len(seen) == 2
