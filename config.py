@@ -40,7 +40,7 @@ class Config:
     # --- model and task -------------------------------------------------------------------
     model: str = arg(
         "tiny",
-        "'tiny' (the built-in offline policy of tiny.py), a hub id, a local folder, or a GGUF file (or a folder "
+        "'tiny' (the built-in offline policy of engine/tiny.py), a hub id, a local folder, or a GGUF file (or a folder "
         "holding one; needs the gguf package), loaded as a float32 model",
     )
     task: str = arg(
@@ -77,7 +77,7 @@ class Config:
     reward: list[str] | None = arg(
         None,
         "a reward function, repeatable: math (the built-in verifier; the default), math-symbolic, "
-        "path/to/file.py:function or module:function, called as TRL calls one (rewards.py)",
+        "path/to/file.py:function or module:function, called as TRL calls one (problems/user_rewards.py)",
         many="append",
     )
     reward_weights: list[float] | None = arg(
@@ -127,9 +127,9 @@ class Config:
     )
     sampling: str = arg(
         "auto",
-        "the sampler: plain (rollout.sample, the reference loop), fast (decoding.py's static KV cache, its decode "
-        "step a CUDA graph on a GPU, eager on a CPU), auto (fast on CUDA where the model takes it, else plain; a "
-        "failed graph capture falls back to plain with one line)",
+        "the sampling loop: plain (rollout.sample, the reference), fast (engine/decoding.py's static KV cache, its "
+        "decode step a CUDA graph on a GPU, eager on a CPU), auto (fast on CUDA where the model takes it, else plain; "
+        "a failed graph capture falls back to plain with one line)",
         ["auto", "plain", "fast"],
     )
     compile: bool = arg(
@@ -191,7 +191,7 @@ class Config:
         "weight the KL term's per-token estimate by rho = pi_theta / alpha (TRL's use_bias_correction_kl, "
         "DeepSeek-V3.2): on alpha's samples it then estimates KL(pi_theta || pi_ref), the term [A] writes",
     )
-    ref_refresh: int = arg(0, "copy the policy into pi_ref every this many steps (0 = never)")
+    ref_refresh: int = arg(0, "copy the policy into pi_ref every this many steps (0 = never; not alpha's refresh)")
     agg: str = arg(
         "token-mean",
         "loss aggregation: token-mean, seq-mean (GRPO), constant (Dr. GRPO)",
@@ -207,7 +207,7 @@ class Config:
     )
     warmup_ratio: float = arg(0.0, "the first ceil(ratio x --steps) steps ramp the learning rate up from 0 (TRL's)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
-    max_grad_norm: float = arg(1.0, "gradient-norm clipping")
+    max_grad_norm: float = arg(1.0, "the gradient-norm clip before each optimizer step (not the ratio clip)")
     inner_steps: int = arg(1, "optimizer steps on each batch ([A]'s mu); > 1 reuses samples")
     micro_batch: int | None = arg(
         None,
@@ -451,8 +451,8 @@ def absolute(path: str | None) -> str | None:
 
 
 def absolute_spec(spec: str) -> str:
-    """A --reward SPEC whose file path is made absolute (rewards.py's rule for a file: `.py` or a `/` before the
-    last `:`); a built-in name or module:function stays as it is."""
+    """A --reward SPEC whose file path is made absolute (problems/user_rewards.py's rule for a file: `.py` or a `/`
+    before the last `:`); a built-in name or module:function stays as it is."""
     where, colon, name = spec.rpartition(":")
     if colon and (where.endswith(".py") or "/" in where):
         return f"{absolute(where)}:{name}"
@@ -549,7 +549,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{flag_name(f)} {value}: must be a finite number")
     checks = [
         (cfg.steps >= 1, "--steps must be >= 1"),
-        (0 <= cfg.seed < 2**63, "--seed must be in [0, 2**63)"),
+        (0 <= cfg.seed < 2**32, "--seed must be in [0, 2**32) (numpy's seeds)"),
         (cfg.weight_decay >= 0, "--weight-decay must be >= 0"),
         (cfg.prompts_per_step >= 1, "--prompts-per-step must be >= 1"),
         (cfg.group_size >= 2, "--group-size must be >= 2 (a group of one has no baseline)"),
@@ -627,8 +627,10 @@ def validate(cfg: Config) -> None:
         ("clip_eps_high", cfg.loss == "opmd", "--loss opmd has no clip (its proximal term is --tau-reg)"),
         ("beta", cfg.loss != "grpo", f"--loss {cfg.loss} has no KL term (only --loss grpo)"),
         ("kl_estimator", cfg.beta == 0 or cfg.loss != "grpo", "the KL estimator needs --loss grpo and --beta > 0"),
+        ("kl_importance_weight", cfg.beta == 0 or cfg.loss != "grpo", "it weights the KL term (--beta > 0)"),
         ("tau_reg", cfg.loss != "opmd", "--tau-reg is OPMD's regulariser (--loss opmd)"),
         ("red_tau", cfg.red != "weight", "--red-tau is RED-Weight's temperature (--red weight)"),
+        ("warmup_steps", cfg.model != "tiny", "--warmup-steps warms up the built-in policy (--model tiny)"),
         ("lora_alpha", cfg.lora_rank == 0, "--lora-alpha scales a LoRA adapter (--lora-rank > 0)"),
         ("lora_targets", cfg.lora_rank == 0, "--lora-targets names a LoRA adapter's modules (--lora-rank > 0)"),
         *[
@@ -643,12 +645,25 @@ def validate(cfg: Config) -> None:
     for name, idle, why in cannot_act:
         if name in changed and idle:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(cfg, name)}: cannot act here: {why}")
+    for flag, path in (("--out", cfg.out), ("--cache-dir", cfg.cache_dir)):  # before anything writes there
+        if path is None:
+            continue
+        try:
+            os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            pass  # made when needed (a file in the way is refused where the folder is made)
+        except OSError as e:  # a name too long, a folder without search permission, ...
+            raise ConfigError(f"{flag} {path}: cannot be used: {e.strerror or e}") from None
     if Path(cfg.cache_dir).exists() and not Path(cfg.cache_dir).is_dir():
         raise ConfigError(f"--cache-dir {cfg.cache_dir}: is a file, not a folder")
     if not re.fullmatch(r"cpu|cuda(:\d+)?|mps", cfg.device):
         raise ConfigError(f"--device {cfg.device}: unknown device; use auto, cpu, cuda or cuda:N")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--device {cfg.device}: CUDA is not available on this machine")
+    if cfg.device.startswith("cuda:") and int(cfg.device[5:]) >= torch.cuda.device_count():
+        raise ConfigError(f"--device {cfg.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if cfg.device == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("--device mps: this torch build or machine has no MPS (Apple GPU); use cpu")
     validate_data_and_rewards(cfg, changed)
     if cfg.task not in ("gsm8k", "math") and (cfg.data_files or (cfg.eval_files and not cfg.dataset)):
         raise ConfigError(
@@ -658,7 +673,7 @@ def validate(cfg: Config) -> None:
         if not cfg.data_files:
             raise ConfigError("--task math reads a local JSONL of 'problem'/'answer' rows: give it with --data-files")
         try:
-            import math_verify  # noqa: F401  (its presence only; math_verifier.py imports it to score)
+            import math_verify  # noqa: F401  (its presence only; problems/math_verifier.py imports it to score)
         except ImportError:
             raise ConfigError(
                 "--task math scores answers with math-verify, an optional extra: pip install -e '.[math]'"

@@ -23,14 +23,13 @@ Deviations from common practice:
      static-KV-cache sampler on CUDA (--sampling, train.sampling_loop), tested equal (tests/test_fastpath.py). Both take
      their tokens from `next_token`, so the math after the logits is written once; the static loop passes its own
      draw (the exponential race) and checks less often, each check being a host sync. This file
-     imports only torch, transformers' DynamicCache and logprobs.py: the reference sampler copies with them.
+     imports torch and logprobs.py, and `sample` transformers' DynamicCache (the model's own KV cache) when it runs.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 # logprobs.py sits beside this file: a checkout imports it by name, a copy inside a package of its own relatively.
 if __package__:
@@ -166,6 +165,8 @@ def sample(
     N rows takes its prompt's cache (`rows`: row -> prompt), then one token per row at a time (`next_token`; `step`
     is its keywords: temperature, truncation, eos_token_id, pad_token_id, generator, ignore_eos). Returns
     `to_rollout`'s per-step lists (tokens, logps, entropies: (N,) a step), the rows' lengths and `alive` (N,)."""
+    from transformers import DynamicCache  # here, not at the top: importing transformers costs seconds (--help)
+
     n = rows.numel()
     pos = position_ids_from_mask(prompt_mask)  # (B, P)
     cache = {cache_kwarg(model): DynamicCache(), **last_logits_only(model)}  # filled in place by each forward

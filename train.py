@@ -58,7 +58,6 @@ from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
-from transformers import set_seed
 
 from advantage import group_advantages, red_drop, red_weight
 from bookkeeping.checkpoint import rng_state, save_checkpoint, set_rng_state
@@ -557,6 +556,8 @@ def train(cfg: Config) -> dict:
     the step in it, the end. Returns the summary (also written to --out/summary.json)."""
     # ---- the settings: the flags, the seeds, the rewards and the data (bad input fails here, before any write) ----
     validate(cfg)
+    from transformers import set_seed  # here: transformers (and peft through it) take seconds to import (--help)
+
     set_seed(cfg.seed)  # Python's, numpy's and torch's generators, as TRL seeds them (a reward may use any)
     rewards = run_rewards(cfg)
     train_set, heldout = load_problems(cfg, rewards)
@@ -661,6 +662,11 @@ def train(cfg: Config) -> dict:
                 checkpoint(k + 1)
 
         # ---- the end: held-out accuracy, summary.json, final/ and curves.png ----
+        if nonfinite and len(nonfinite) == cfg.steps - start_step:  # no update was applied: no result to report
+            raise Diverged(
+                f"steps {start_step}-{cfg.steps - 1}: loss or gradient not finite at every step, no update applied; "
+                "stopping (try a lower --lr)"
+            )
         check_finite_weights(models.policy, "the end of the run")
         try:
             end = evaluate(cfg.steps - 1)

@@ -105,7 +105,10 @@ def where_the_run_stands(out: str, steps: int) -> str:
     except OSError:
         pass
     done = f"{0 if last is None else last + 1} of {steps} steps done"
-    ck = latest_checkpoint(out)
+    try:
+        ck = latest_checkpoint(out)
+    except OSError:  # the folder cannot be read (the error being reported may be why): say what is known
+        return done
     if ck is None:
         return f"{done}; no checkpoint to resume from (--save-every writes them)"
     return f"{done}, newest checkpoint {ck.name}; continue with: python train.py --resume --out {out}"

@@ -26,7 +26,6 @@ import weakref
 
 import torch
 from torch.func import functional_call
-from transformers import PreTrainedModel
 
 from logprobs import cache_kwarg, forward_parameters, last_logits_only, position_ids_from_mask
 from rollout import next_token, sample
@@ -45,6 +44,8 @@ def transformers_model(model):
 def static_cache_fits(model) -> bool:
     """A transformers model with sdpa attention whose layers all attend to the full prefix: our mask is sdpa's
     (True = visible) for full attention. Llama-family configs name no layer types; a sliding window they do name."""
+    from transformers import PreTrainedModel  # here: importing transformers costs seconds (train.py --help)
+
     base = transformers_model(model)
     if not isinstance(base, PreTrainedModel) or base.config._attn_implementation != "sdpa":
         return False

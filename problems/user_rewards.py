@@ -27,7 +27,8 @@ one entry per completion, rows group-major (the G completions of a prompt are co
                    `logged/NAME` (held out: `eval_logged/NAME`), a prefix of its own so that no name a function
                    picks (`accuracy`, `step`) can replace one of the run's figures;
   log_extra        log_extra(column, values): a value per completion, added to its completions.jsonl row as
-                   `logged/COLUMN` (never one of the row's own keys: prompt, completion, reward, step, ...).
+                   `logged/COLUMN` (never one of the row's own keys: prompt, completion, reward, step, ...);
+                   values of another length, or a column logged twice in one call, are refused.
 Each function gets its own copy of every input: one that changes the lists it is given changes nothing another
 function, or the run, sees. It returns what TRL takes: any iterable of numbers or None, one per completion (a list,
 a tuple, a generator, a 1-d tensor or numpy array, a list of 0-d tensors or numpy scalars, a pandas Series); a
@@ -48,6 +49,7 @@ both are refused (a NaN is most often a 0/0).
 """
 
 import asyncio
+import contextlib
 import copy
 import hashlib
 import importlib
@@ -167,7 +169,8 @@ def import_file(spec: str, path: Path):
         module = importlib.util.module_from_spec(loader_spec)
         sys.modules[name] = module
         try:
-            loader_spec.loader.exec_module(module)
+            with siblings_first(path.parent):
+                loader_spec.loader.exec_module(module)
         except Stopped:  # a real Ctrl-C or SIGTERM: the run stops as it always does
             del sys.modules[name]
             raise
@@ -176,6 +179,36 @@ def import_file(spec: str, path: Path):
             raise RewardError(f"--reward {spec}: importing {path} failed: {described(e)}") from None
         _modules[key] = module
     return _modules[key]
+
+
+@contextlib.contextmanager
+def siblings_first(folder: Path):
+    """While a reward file runs its imports, `import config` (or any name) finds the file's own sibling, not the
+    project's module of that name that sys.modules already holds. Afterwards the project's modules are back under
+    their names (the user's module keeps its sibling as a global), and the folder stays searchable, last."""
+    folder = folder.resolve()
+
+    def shadowed(module) -> bool:  # a module this folder also holds under the same name, other than the file itself
+        file = getattr(module, "__file__", None)
+        return file is not None and Path(file).resolve().parent not in (folder, folder / module.__name__)
+
+    top = {n for n in list(sys.modules) if "." not in n}
+    clashing = {n for n in top if (folder / f"{n}.py").is_file() or (folder / n / "__init__.py").is_file()}
+    saved = {
+        n: m
+        for n, m in list(sys.modules.items())
+        if n.split(".")[0] in clashing and shadowed(sys.modules[n.split(".")[0]])
+    }
+    for n in saved:
+        del sys.modules[n]
+    sys.path.insert(0, str(folder))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(folder))
+        if str(folder) not in sys.path:
+            sys.path.append(str(folder))
+        sys.modules.update(saved)
 
 
 def import_module(spec: str, name: str):
@@ -297,6 +330,9 @@ class Rewards:
             for name, value in logged:
                 metrics.setdefault(str(name), []).append(metric_value(r, name, value))
             for column, values in extra:
+                if len(values) != n or str(column) in extras:  # a value per completion, once: else whose row is it?
+                    why = "logged twice" if str(column) in extras else f"{len(values)} values for {n} completions"
+                    raise RewardError(f"--reward {r.spec}: {r.name}'s log_extra column {column!r}: {why}")
                 try:  # completions.jsonl is JSON (default=str), with no NaN or Infinity tokens
                     json.dumps(values, allow_nan=False, default=str)
                 except (ValueError, TypeError, RecursionError) as e:

@@ -520,3 +520,78 @@ def test_a_users_module_named_like_the_projects_own_is_the_one_loaded(tmp_path, 
     monkeypatch.chdir(tmp_path)
     r = load_reward(f"{name}:fn")
     assert r.fn(completions=["a", "b"]) == [7.0, 7.0]
+
+
+# --- issue 51: the smaller items, each one line before anything is written ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--seed", "4294967296"], "--seed must be in [0, 2**32)"),  # numpy's seeds: it used to fail inside numpy
+        (["--seed", "-1"], "--seed must be in [0, 2**32)"),
+        (["--kl-importance-weight"], "--kl-importance-weight True: cannot act here: it weights the KL term"),
+        (["--warmup-steps", "5", "--model", "some-org/some-model"], "--warmup-steps 5: cannot act here"),
+    ],
+)
+def test_a_seed_numpy_cannot_take_and_flags_that_cannot_act_are_one_line(tmp_path, capsys, args, words):
+    line = cli_error(capsys, *args, "--out", tmp_path / "run", "--cache-dir", tmp_path / "cache")
+    assert line.startswith(f"error: {words}"), line
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+
+
+def test_the_largest_seed_passes_validation():
+    validate(cfg_of("--seed", 2**32 - 1))
+    np = pytest.importorskip("numpy")
+    np.random.seed(2**32 - 1)  # the bound is numpy's own: one more is what it refuses
+    with pytest.raises(ValueError):
+        np.random.seed(2**32)
+
+
+@pytest.mark.parametrize("device", ["mps", "cuda:99"])
+def test_a_device_this_torch_cannot_use_is_one_line(tmp_path, capsys, device):
+    import torch
+
+    if device == "mps" and torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    line = cli_error(capsys, "--device", device, "--out", tmp_path / "run")
+    assert line.startswith(f"error: --device {device}: "), line
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_out_that_cannot_be_statted_is_one_line(tmp_path, capsys, monkeypatch):
+    # A name longer than the file system allows: stat itself fails (ENAMETOOLONG), where the run used to print two
+    # tracebacks (the second from the error handler's look at the folder).
+    long = tmp_path / ("a" * 300)
+    line = cli_error(capsys, "--out", long)
+    assert line.startswith(f"error: --out {long}: cannot be used: File name too long"), line
+    # A folder without search permission (root passes every permission check, so stat is made to answer as it would).
+    closed = tmp_path / "closed"
+    real = os.stat
+
+    def stat(path, *a, **kw):
+        if str(path).startswith(str(closed) + os.sep):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(os, "stat", stat)
+    line = cli_error(capsys, "--out", closed / "run")
+    assert line == f"error: --out {closed / 'run'}: cannot be used: Permission denied", line
+
+
+def test_a_reward_files_own_siblings_are_the_ones_it_imports(tmp_path):
+    """A reward file's `import config` gets its own config.py beside it, not the project's (already imported);
+    afterwards the project's modules are the project's again."""
+    from problems.user_rewards import load_reward
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "config.py").write_text("BONUS = 0.5\n")
+    (folder / "helpers.py").write_text("def credited(c):\n    return len(c) > 1\n")
+    (folder / "scoring.py").write_text(
+        "import config\nfrom helpers import credited\n\n\n"
+        "def fn(completions, **kw):\n    return [config.BONUS if credited(c) else 0.0 for c in completions]\n"
+    )
+    r = load_reward(f"{folder / 'scoring.py'}:fn")
+    assert r.fn(completions=["ab", "a"]) == [0.5, 0.0]
+    assert sys.modules["config"] is config and config.Config is Config  # the project's, for the rest of the run

@@ -127,6 +127,25 @@ def test_log_metric_and_log_extra_values_that_cannot_be_written_are_one_line():
     assert "log_extra column 'x' cannot be written as JSON" in msg, msg
 
 
+def test_a_log_extra_column_of_the_wrong_length_or_logged_twice_is_one_line():
+    # Issue 51: one value for 4 completions used to vanish from completions.jsonl without a word.
+    def logging(*columns):
+        def fn(completions, log_extra, **kw):
+            for column, values in columns:
+                log_extra(column, values)
+            return [0.0] * len(completions)
+
+        return fn
+
+    for values in ([1], [1] * (N + 1), []):
+        msg = refused(logging(("x", values)))
+        assert msg == f"--reward mine.py:f0: f0's log_extra column 'x': {len(values)} values for {N} completions", msg
+    msg = refused(logging(("x", [1] * N), ("x", [2] * N)))
+    assert msg == "--reward mine.py:f0: f0's log_extra column 'x': logged twice", msg
+    _, scores = score(logging(("x", list(range(N)))), logging(("y", ["a"] * N)))  # one value each: kept
+    assert scores.extras == {"x": [0, 1, 2, 3], "y": ["a"] * N}
+
+
 # --- 2. anything a function raises is one line naming it -----------------------------------------------------------
 
 

@@ -37,6 +37,7 @@ def imports(name: str) -> list[tuple[str, list[str]]]:
         ("variants/corrections.py", {"torch", "objective"}),
         ("variants/reinforce.py", {"torch", "objective"}),
         ("logprobs.py", {"torch"}),
+        ("rollout.py", {"torch", "logprobs", "transformers"}),  # transformers' DynamicCache, in `sample` only
         ("reward.py", set()),  # the numeric verifier: the standard library only, it copies alone
         ("problems/math_verifier.py", {"math_verify", "reward"}),  # math-verify imported lazily, at the first call
     ],
@@ -229,3 +230,20 @@ def test_the_help_groups_are_the_dataclass_sections_and_cover_every_flag():
     headings = re.findall(r"^## (.+)$", (ROOT / "docs" / "flags.md").read_text(), flags=re.M)
     first_word = lambda title: title.lower().removeprefix("the ").split()[0].strip(",")  # noqa: E731
     assert [first_word(t) for t in groups] == [first_word(h) for h in headings], (list(groups), headings)
+
+
+def test_help_names_only_files_that_exist_and_imports_nothing_heavy():
+    # Issue 51: --help named rewards.py and tiny.py, gone since, and took 13 s importing transformers and peft
+    # through train.py's top. Each file it names must exist; importing train.py (what --help runs) must not import
+    # transformers, peft or datasets: they are imported where a run uses them.
+    import re
+    import subprocess
+
+    from config import build_parser
+
+    text = build_parser().format_help()
+    named = set(re.findall(r"[\w/]+\.py\b", text)) - {"path/to/file.py"}
+    assert named and all((ROOT / n).is_file() for n in named), sorted(n for n in named if not (ROOT / n).is_file())
+    probe = "import sys, train; print(sorted({'transformers', 'peft', 'datasets'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])

@@ -247,6 +247,27 @@ def test_non_finite_gradients_skip_the_step_and_three_stop_the_run(model, tok, t
     assert last_ck is not None and int(last_ck.stem.split("-")[1]) == bad[0]  # written before the streak
 
 
+def test_a_run_whose_every_update_was_not_finite_says_so_and_exits_3(tmp_path, warm_cache, monkeypatch, capsys):
+    # Issue 51: 2 steps, both non-finite, are no streak of 3; the run used to end with status 0 and no word.
+    real = train.update
+
+    def nan_update(cfg, policy, opt, batch, ref_logp):
+        batch.advantages = batch.advantages * float("nan")  # as the test above: the update is skipped
+        return real(cfg, policy, opt, batch, ref_logp)
+
+    monkeypatch.setattr(train, "update", nan_update)
+    args = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--eval-size", "4", "--no-progress"]
+    args += ["--warmup-steps", str(TEST_WARMUP), "--cache-dir", warm_cache, "--out", str(tmp_path / "o")]
+    assert train.main(args) == 3
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1] == (
+        "error: steps 0-1: loss or gradient not finite at every step, no update applied; stopping (try a lower --lr)"
+    ), lines[-3:]
+    rows = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["nonfinite_updates"] for r in rows] == [1, 1]  # each step was non-finite: the premise
+    assert not (tmp_path / "o" / "final").exists() and not (tmp_path / "o" / "summary.json").exists()
+
+
 def assert_one_line_error_tail(r, expect, status=2):
     assert r.returncode == status, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
