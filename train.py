@@ -143,8 +143,9 @@ def grpo_step(
         tokenizer: gives the EOS and pad ids.
         gen: the sampling generator (also drives RED-Drop and --reward-shuffle).
         queue: the batches drawn ahead (None at the start).
-        draw: (k, n) -> the (prompt_ids, prompt_mask, reward_fn) of steps k, ..., k + n - 1: prompts (B, P)
-            left-padded on the policy's device, reward_fn: Rollout -> (N,) rewards. Called when a step draws ahead.
+        draw: (k, n, now) -> the (prompt_ids, prompt_mask, reward_fn) of steps k, ..., k + n - 1, drawn at step
+            `now`: prompts (B, P) left-padded on the policy's device, reward_fn: Rollout -> (N,) rewards. Called
+            when a step draws ahead.
         ignore_eos: sample fixed-length completions (the benchmark).
     Raises FloatingPointError when the sampler's logits are not finite (a diverged policy).
     """
@@ -211,14 +212,15 @@ def sample_ahead(cfg: Config, policy, tokenizer, k: int, ahead: range, draw, gen
     """Steps 1-3 at step k for the steps `ahead` at once, from alpha = pi_theta now (before step k's update):
     one `Sampled` a step, in order.
 
-    draw(first, n): one (prompt_ids, prompt_mask, reward_fn) per step, in the order the steps would have drawn them.
+    draw(first, n, now=k): one (prompt_ids, prompt_mask, reward_fn) per step, in the order the steps would have
+    drawn them; the reward functions see step k as trainer_state.global_step.
     log alpha (--alpha-logp-from) comes with each batch, computed now, by the weights that sample it: `recompute`,
     a no-grad forward of pi_theta over each batch drawn ahead (step k's own batch, where drawn now, has alpha =
     pi_k, whose log-probs its update's first forward records: None here); or `sampler`, the log-probs `generate`
     recorded while sampling, for every batch. Raises FloatingPointError when the sampler's logits are not finite (a
     diverged policy).
     """
-    draws = draw(ahead.start, len(ahead))
+    draws = draw(ahead.start, len(ahead), now=k)
     policy.eval()
     rows = sum(ids.shape[0] for ids, _, _ in draws) * cfg.group_size  # the cycle's completions
     longest = max(ids.shape[1] for ids, _, _ in draws) + cfg.max_new_tokens  # a row's prompt and completion

@@ -274,7 +274,7 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
     reward_fn = synthetic_reward(tok, cfg.group_size, torch.Generator().manual_seed(cfg.seed + 1))
     rng = random.Random(cfg.seed)
 
-    def draw(k: int, n: int) -> list:
+    def draw(k: int, n: int, now: int | None = None) -> list:  # train.grpo_step's draw; no reward reads `now`
         prompts = [make_prompts(tok, words, cfg.prompts_per_step, args.prompt_len, rng)[0].to(device) for _ in range(n)]
         return [(p, torch.ones_like(p), reward_fn) for p in prompts]  # (B, P) each, no padding
 

@@ -112,16 +112,17 @@ def score_rows(rewards: Rewards, rows: list[Problem], texts: list[str], ro: Roll
 
 class Draw:
     """The step's `draw(k, n)`: the (prompt_ids, prompt_mask, reward_fn) of steps k, ..., k + n - 1, in stream
-    order (a refresh samples them all at once). `scored` keeps each step's Scores (its reward functions' figures)
-    until its metrics row is written; a checkpoint holds those of its unfinished cycle."""
+    order (a refresh samples them all at once; --lag s draws step k + s's at step k, `now`: the reward functions'
+    trainer_state.global_step is the step that draws, as in TRL). `scored` keeps each step's Scores (its reward
+    functions' figures) until its metrics row is written; a checkpoint holds those of the queue's steps."""
 
     def __init__(self, cfg: Config, tokenizer, stream: PromptStream, rewards: Rewards, device):
         self.cfg, self.tokenizer, self.stream, self.rewards, self.device = cfg, tokenizer, stream, rewards, device
         self.scored: dict[int, Scores] = {}
 
-    def __call__(self, k: int, n: int) -> list:
+    def __call__(self, k: int, n: int, now: int | None = None) -> list:
         batches = [self.stream.next(self.cfg.prompts_per_step) for _ in range(n)]
-        state = RewardState(k, self.cfg.steps, self.stream.position / len(self.stream.problems))
+        state = RewardState(k if now is None else now, self.cfg.steps, self.stream.position / len(self.stream.problems))
         return [
             (*encode_prompts(self.tokenizer, b, self.device), self.scorer(b, k + j, state))
             for j, b in enumerate(batches)

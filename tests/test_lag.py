@@ -227,3 +227,22 @@ def test_on_cuda_the_queue_is_measured_against_what_the_process_may_use(monkeypa
     assert seen == [torch.device("cuda:0")] * 2
     train.check_queue_fits(resolve(Config(out="x")), tok, train_set, torch.device("cuda:0"))  # on-policy: no queue
     assert len(seen) == 2
+
+
+def test_a_reward_failure_while_the_lag_draws_resumes_to_the_uninterrupted_run(tmp_path, warm_cache, main):
+    # The reward fails at step 3, which draws step 5's batch while the queue holds steps 3 and 4's (sampled at 1
+    # and 2): the run checkpoints that queue with the generator and the stream as they were before the draw.
+    from test_reward_failure_resume import write_reward
+
+    reward, marker = write_reward(tmp_path, 3, "raise ValueError('the grader is down')")
+    extra = [*SIGNAL, "--lag", 2, "--reward", f"{reward}:flaky"]
+    assert main(*tiny_run_args(warm_cache, tmp_path / "clean", *extra, steps=6)).returncode == 0
+    marker.write_text("")
+    assert "the grader is down" in error_line(main(*tiny_run_args(warm_cache, tmp_path / "run", *extra, steps=6)))
+    ck = load_checkpoint(checkpoints(str(tmp_path / "run"))[-1])
+    assert ck["step"] == 3 and [b["sampled_at"] for b in ck["queue"]["batches"]] == [0, 1, 2]  # steps 2, 3, 4
+    marker.unlink()
+    r = main("--resume", "--out", tmp_path / "run")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert same_weights(weights(tmp_path / "clean"), weights(tmp_path / "run"))
+    assert rows_of(tmp_path / "clean") == rows_of(tmp_path / "run")

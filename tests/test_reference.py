@@ -110,7 +110,7 @@ def draws(cfg, tokenizer):
         golds = [p.gold for p in problems for _ in range(cfg.group_size)]  # rows are group-major
         return lambda ro: torch.tensor([reward(t, g) for t, g in zip(completion_texts(tokenizer, ro), golds)])
 
-    def draw(k: int, n: int) -> list:
+    def draw(k: int, n: int, now: int | None = None) -> list:  # `now`: the drawing step, which no verifier reads
         batches = [stream.next(cfg.prompts_per_step) for _ in range(n)]
         return [(*encode_prompts(tokenizer, b, "cpu"), scorer(b)) for b in batches]
 
