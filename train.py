@@ -506,11 +506,11 @@ def queue_batch_bytes(cfg: Config, prompt_len: int) -> int:
 
 
 def check_queue_fits(cfg: Config, tokenizer, train_set, device: torch.device) -> None:
-    """Refuse a queue that cannot fit: s + 1 batches (--lag s) or v (--offpolicy-steps v), each at most
+    """Refuse a queue that cannot fit: s + 1 batches (--lag s) or v (--offpolicy-steps v), at most --steps, each at most
     `queue_batch_bytes`, must take no more than half the memory free on the device now (the rest is sampling's and
     the update's). CUDA: what the driver and the allocator leave (engine.policy.available_bytes); a CPU: Linux's
     MemAvailable (os.sysconf's available pages elsewhere)."""
-    held = cfg.lag + 1 if cfg.lag is not None else cfg.offpolicy_steps
+    held = min(cfg.lag + 1 if cfg.lag is not None else cfg.offpolicy_steps, cfg.steps)  # none past the last step
     if held == 1:
         return  # on-policy: the step's own batch, as any run holds
     texts = [render_prompt(tokenizer, p) for p in train_set]
