@@ -7,7 +7,7 @@
 The staleness study is its sibling, `python -m studies.staleness` (staleness.py). Both take --workers N
 (N runs at once, in separate processes of --threads threads each) and pass --model, --task, --data-files,
 --eval-files and --max-new-tokens through to every run, so the same study runs on a real model:
-`--model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --data-files ../shared/data/...`.
+`--model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --data-files gsm8k/train.jsonl` (a local JSONL of openai/gsm8k).
 
 What the two papers claim, and what this sweep can show about it:
   [A] Mroueh et al. 2025: off-policy GRPO, whose sampler alpha is refreshed from the policy only every

@@ -1,10 +1,11 @@
 """Probe the verifier: what does `reward.math_reward` credit on MATH-500 and GSM8K golds?
 
-    python -m studies.verifier_probe               # writes results/verifier_probe.md and prints it
-    python -m studies.verifier_probe --limit 20    # only the first 20 golds of each data set
+    python -m studies.verifier_probe --data DATA              # writes results/verifier_probe.md and prints it
+    python -m studies.verifier_probe --limit 20 --data DATA   # only the first 20 golds of each data set
 
-Built deterministically from ../shared/data/math500/test.jsonl (`answer`) and ../shared/data/gsm8k/test.jsonl
-(the gold after `####`), each answer wrapped in a short completion with `\\boxed{}`. For each MATH-500 gold:
+Built deterministically from DATA/math500/test.jsonl (`answer`) and DATA/gsm8k/test.jsonl (the gold after `####`):
+local JSONL copies of HuggingFaceH4/MATH-500 and openai/gsm8k. Each answer is wrapped in a short completion with
+`\\boxed{}`. For each MATH-500 gold:
   equal    the gold as written, then rewritings a model would write for the same answer (`\\dfrac`, no `\\left`,
            other whitespace, `x = 5` for `5`, `C` for `\\text{(C)}`, `2 + 2k` for `2k+2`, `\\frac{9}{5}` for
            `1\\frac{4}{5}`, a terminating decimal for a fraction, a set in another order, ...). Each rule is a
@@ -37,7 +38,6 @@ from reward import math_reward, parse_number
 
 ROOT = Path(__file__).resolve().parents[1]
 
-DATA = ROOT.parent / "shared" / "data"
 OUT = ROOT / "results" / "verifier_probe.md"
 TYPES = (
     "integer",
@@ -836,14 +836,18 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="also score every MATH-500 item with math-verify alone, for comparison (default: on)",
     )
-    ap.add_argument("--data", default=str(DATA), help="the folder with math500/ and gsm8k/ (default: %(default)s)")
+    ap.add_argument(
+        "--data",
+        required=True,
+        help="the folder with math500/test.jsonl and gsm8k/test.jsonl (HuggingFaceH4/MATH-500, openai/gsm8k)",
+    )
     args = ap.parse_args(argv)
     data = Path(args.data)
     t0 = time.perf_counter()
     symbolic_reward("\\boxed{x}", "y")  # math-verify's first import and set-up, kept out of the times
     per, misjudged, rules = probe_math(read_jsonl(data / "math500" / "test.jsonl", args.limit), args.vs_math_verify)
     gsm = probe_gsm8k(read_jsonl(data / "gsm8k" / "test.jsonl", args.limit))
-    command = "python -m studies.verifier_probe" + (f" --limit {args.limit}" if args.limit else "")
+    command = "python -m studies.verifier_probe" + (f" --limit {args.limit}" if args.limit else "") + " --data DATA"
     text = report(per, misjudged, rules, gsm, command, time.perf_counter() - t0)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)

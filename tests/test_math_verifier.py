@@ -419,12 +419,12 @@ def test_outside_the_main_thread_only_numbers_are_compared(mv):
 
 
 def test_the_probe_script(mv, tmp_path):
-    shared_data("math500", "test.jsonl")
+    data = shared_data("math500", "test.jsonl").parents[1]
     shared_data("gsm8k", "test.jsonl")
     from studies import verifier_probe
 
     out = tmp_path / "probe.md"
-    assert verifier_probe.main(["--limit", "8", "--out", str(out)]) == 0
+    assert verifier_probe.main(["--limit", "8", "--out", str(out), "--data", str(data)]) == 0
     text = out.read_text()
     assert "python -m studies.verifier_probe --limit 8" in text
     header = next(line for line in text.splitlines() if line.startswith("| type |"))
