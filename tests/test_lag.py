@@ -197,7 +197,7 @@ def test_a_queued_batch_holds_the_bytes_the_formula_gives(warm_cache, tmp_path, 
 
 def test_a_queue_that_cannot_fit_is_refused_with_its_size(tmp_path, warm_cache, main, monkeypatch, tok):
     monkeypatch.setattr(train, "host_available_bytes", lambda: 10**6)  # 1 MB free
-    line = error_line(main(*tiny_run_args(warm_cache, tmp_path / "run", *SIGNAL, "--lag", 255)))
+    line = error_line(main(*tiny_run_args(warm_cache, tmp_path / "run", *SIGNAL, "--lag", 255, steps=300)))
     # N = 16 rows, T = 8, P the longest training prompt (encode_prompts pads the whole set to it): a batch is
     # 16 (16 P + 24 x 8 + 5) + 4 x 16 x 8 bytes (the formula tested above), 256 of them above half of 1 MB.
     cfg = resolve(Config(out="x"))
@@ -210,6 +210,8 @@ def test_a_queue_that_cannot_fit_is_refused_with_its_size(tmp_path, warm_cache, 
     )
     assert not (tmp_path / "run" / "config.json").exists()  # refused before the run folder is written
     assert main(*tiny_run_args(warm_cache, tmp_path / "ok", *SIGNAL, "--lag", 2)).returncode == 0  # 3 fit
+    # A lag past the run's end holds no more batches than the run has steps: --lag 255 over 3 steps holds 3.
+    assert main(*tiny_run_args(warm_cache, tmp_path / "short", *SIGNAL, "--lag", 255)).returncode == 0
 
 
 def test_on_cuda_the_queue_is_measured_against_what_the_process_may_use(monkeypatch, tok):
