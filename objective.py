@@ -113,10 +113,10 @@ def policy_loss(
     )
     if keep_objective is not None:  # s_t o_t: where(), so that no value of a dropped o_t reaches the gradient
         objective = torch.where(keep_objective, objective, torch.zeros_like(objective))  # (N, T)
-    kept = loss_mask if keep is None else loss_mask * keep  # (N, T) MIS, M2PO: what stays in the loss and normaliser
+    kept_mask = loss_mask if keep is None else loss_mask * keep  # (N, T) MIS, M2PO: what stays in loss and normaliser
     kl_weight = rho if kl_importance_weight else None
     loss, kl = penalised_loss(
-        objective, logp, ref_logp, kept, beta, kl_estimator, agg, max_new_tokens, total, kl_weight
+        objective, logp, ref_logp, kept_mask, beta, kl_estimator, agg, max_new_tokens, total, kl_weight
     )
     return loss, loss_stats(loss_mask, rho, clip_low, clip_high, kl)
 
@@ -189,19 +189,21 @@ def surrogate(
 
 
 def penalised_loss(
-    objective, logp, ref_logp, loss_mask, beta, kl_estimator, agg, max_new_tokens, total, kl_weight=None
+    objective, logp, ref_logp, kept_mask, beta, kl_estimator, agg, max_new_tokens, total, kl_weight=None
 ):
-    """The end of every clipped policy loss: - agg_t [ o_t - beta rho_t kl_t ] over loss_mask's tokens (rho_t = 1
-    unless kl_weight), and the KL term's rho_t kl_t (N, T) (zeros without a KL term). kl_weight: rho = pi_theta /
-    alpha with its gradient (TRL's use_bias_correction_kl, DeepSeek-V3.2's unbiased KL), so that on alpha's samples
-    rho kl estimates E_alpha[rho k] = E_pi_theta[k] = KL(pi_theta || pi_ref) for k1 and k3; None: no weight."""
+    """The end of every clipped policy loss: - agg_t [ o_t - beta rho_t kl_t ] over kept_mask's tokens (rho_t = 1
+    unless kl_weight), and the KL term's rho_t kl_t (N, T) (zeros without a KL term). kept_mask (N, T): loss_mask
+    times MIS's or M2PO's `keep` (loss_mask itself without one): the tokens the sum and its normaliser count.
+    kl_weight: rho = pi_theta / alpha with its gradient (TRL's use_bias_correction_kl, DeepSeek-V3.2's unbiased KL),
+    so that on alpha's samples rho kl estimates E_alpha[rho k] = E_pi_theta[k] = KL(pi_theta || pi_ref) for k1 and
+    k3; None: no weight."""
     kl = torch.zeros_like(objective)  # (N, T)
     if ref_logp is not None and beta != 0.0:
         kl = kl_penalty(logp, ref_logp, kl_estimator)  # (N, T)
         if kl_weight is not None:
             kl = kl_weight * kl  # (N, T)
         objective = objective - beta * kl  # (N, T)
-    return -aggregate(objective, loss_mask, agg, max_new_tokens, total), kl
+    return -aggregate(objective, kept_mask, agg, max_new_tokens, total), kl
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -259,15 +261,15 @@ def aggregate(
 
     A token outside the mask contributes exactly 0, whatever its value: where(), not a product, so an inf or nan
     there (an overflowing ratio on padding) never reaches the loss or its gradient."""
-    keep = loss_mask > 0  # (N, T)
+    in_mask = loss_mask > 0  # (N, T)
     if total is None:
         total = aggregation_total(loss_mask, agg, max_new_tokens)
-    kept = torch.where(keep, per_token, torch.zeros_like(per_token))  # (N, T)
+    masked = torch.where(in_mask, per_token, torch.zeros_like(per_token))  # (N, T)
     if agg == "seq-mean":
         # Each sequence contributes its own token mean; sequences without a token contribute 0.
-        seq_len = keep.sum(dim=1).clamp(min=1).to(per_token.dtype)  # (N,)
-        return (kept.sum(dim=1) / seq_len).sum() / total
-    return kept.sum() / total
+        seq_len = in_mask.sum(dim=1).clamp(min=1).to(per_token.dtype)  # (N,)
+        return (masked.sum(dim=1) / seq_len).sum() / total
+    return masked.sum() / total
 
 
 def neutral_outside(loss_mask: torch.Tensor, logp: torch.Tensor, *others: torch.Tensor | None) -> list:
@@ -277,8 +279,8 @@ def neutral_outside(loss_mask: torch.Tensor, logp: torch.Tensor, *others: torch.
     A masked-out token (padding, a group without signal) contributes nothing, but its values still flow through
     the per-token formulas: an overflowing ratio = inf there times a zero gradient would be nan (inf * 0), and
     the nan would reach every parameter's gradient. Each loss calls this first."""
-    keep, anchor = loss_mask > 0, logp.detach()  # (N, T) each
-    return [None if x is None else torch.where(keep, x.detach(), anchor) for x in others]
+    in_mask, anchor = loss_mask > 0, logp.detach()  # (N, T) each
+    return [None if x is None else torch.where(in_mask, x.detach(), anchor) for x in others]
 
 
 def token_advantages(advantages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

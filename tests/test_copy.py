@@ -1,6 +1,10 @@
 """The algorithm's files copy into another project: advantage.py, objective.py, logprobs.py, rollout.py and the
 numeric verifier, put into a package of another name, run one sampling call and one loss step there, in a fresh
-interpreter that cannot see this checkout (nothing else of the project is imported, engine/decoding.py included)."""
+interpreter that cannot see this checkout (nothing else of the project is imported, engine/decoding.py included).
+
+It is the README's "Lift the loss" list as code: log alpha from sampling (`ro.sampler_logp`), log pi_k = log pi_theta
+detached at the first inner step, loss_mask = completion_mask x valid, the whole step's `total` for each micro-batch,
+dropout off (`.eval()`: the scorer's log pi_theta then equals the sampler's log alpha, `gap`)."""
 
 import shutil
 import subprocess
@@ -37,11 +41,21 @@ SCRIPT = textwrap.dedent(
     loss, stats = objective.policy_loss(logp, ro.sampler_logp, logp.detach(), None, advantages, loss_mask)
     loss.backward()
     grad = sum(p.grad.abs().sum().item() for p in model.parameters() if p.grad is not None)
+    whole = [p.grad.clone() for p in model.parameters()]
+    # Two micro-batches of the same step, each divided by the whole step's `total`: their gradients sum to the whole's.
+    model.zero_grad()
+    total = objective.aggregation_total(loss_mask, "token-mean")
+    for rows in (slice(0, 3), slice(3, None)):
+        ids, att, cm = ro.input_ids[rows], ro.attention_mask[rows], ro.completion_mask[rows]
+        logp_mb = logprobs.token_logprobs(model, ids, att, cm, 1.0)
+        objective.policy_loss(logp_mb, ro.sampler_logp[rows], logp_mb.detach(), None, advantages[rows], loss_mask[rows],
+                              total=total)[0].backward()
+    micro = max((a - p.grad).abs().max().item() for a, p in zip(whole, model.parameters()))
     gap = (logp.detach() - ro.sampler_logp).abs().max().item()
     project = sorted({"logprobs", "rollout", "decoding", "train", "config", "tasks", "reward"} & set(sys.modules))
     scores = ",".join(str(r) for r in rewards.tolist())
     print(f"rows={ro.completion_ids.shape[0]} rewards=[{scores}] loss={loss.item():.6f} grad={grad:.6f} "
-          f"gap={gap:.2e} signal={int(valid.sum())} flat_modules={project}")
+          f"gap={gap:.2e} signal={int(valid.sum())} micro={micro:.2e} flat_modules={project}")
     """
 )
 
@@ -68,3 +82,4 @@ def test_the_algorithm_copies_into_a_package_of_another_name(tmp_path):
     assert float(fields["gap"]) < 1e-5  # the copied sampler and scorer agree on log alpha
     assert fields["rewards"] == "[0.0,1.0,0.0,1.0,0.0,1.0,0.0,1.0]"  # the copied verifier scored
     assert int(fields["signal"]) == 8 and float(fields["grad"]) > 0  # a loss step with a gradient
+    assert float(fields["micro"]) < 1e-6  # micro-batches, each over the whole step's total, make the whole gradient
