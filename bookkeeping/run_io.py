@@ -273,6 +273,7 @@ class RunWriter:
         self.cfg, self.out = cfg, Path(cfg.out)
         self.fresh, self.created, self.started, self.opened = not cfg.resume, not self.out.exists(), False, False
         refuse_out_in_data(cfg)
+        check_report_to(cfg)  # its packages and wandb's key: before the model loads, and before an old run goes
         made_lock = not (self.out / LOCK).exists()
         self._lock = claim_run_folder(self.out, cfg.resume, cfg.overwrite)
         self._made_lock = made_lock
@@ -289,9 +290,9 @@ class RunWriter:
             self.open()
 
     def open(self, record: dict | None = None) -> None:
-        """Start writing the run, once everything that can refuse it has run (the flags, the model, the tokenizer, the
-        data and their fit: train.train calls this after them): the last checks (fingerprints on a resume, the
-        --report-to packages and wandb's key), then a new run deletes the old run's files in --out (--overwrite, a
+        """Start writing the run, once everything that can refuse it has run (the flags, --report-to, the model, the
+        tokenizer, the data and their fit: train.train calls this after them): the last check (fingerprints on a
+        resume), then a new run deletes the old run's files in --out (--overwrite, a
         start that never finished a step; never anything else) and writes its manifest, config.json (with `record`'s
         entries) and logs. A failure here leaves no run behind (`discard_if_unstarted`)."""
         cfg = self.cfg
@@ -302,13 +303,6 @@ class RunWriter:
             if cfg.resume:
                 check_unchanged(previous.get("fingerprints"), found, self.out / "config.json", self.log)
             targets = cfg.report_to.split(",")
-            if "tensorboard" in targets:
-                try:
-                    from torch.utils.tensorboard import SummaryWriter
-                except ImportError:
-                    raise ConfigError("--report-to tensorboard: install the tensorboard package first") from None
-            if "wandb" in targets:
-                check_wandb()
             if self.fresh:
                 check_fresh(self.out, cfg.overwrite)  # again: the folder may have changed while the model loaded
                 remove(self.out, [p for p in sort_out(self.out, the_run(self.out))[0] if p != LOCK])
@@ -323,6 +317,8 @@ class RunWriter:
             if cfg.log_completions:
                 self._completions = open(self.out / "completions.jsonl", "ab" if cfg.resume else "wb", buffering=0)
             if "tensorboard" in targets:
+                from torch.utils.tensorboard import SummaryWriter
+
                 with self._owning("tensorboard"):  # its event file's name is TensorBoard's: listed once made
                     self._tb = SummaryWriter(str(self.out / "tensorboard"))
             if "wandb" in targets:
@@ -564,6 +560,18 @@ def start_wandb(cfg: Config, out: Path, run_id: str | None):
             f"--report-to wandb: wandb.init failed ({type(e).__name__}: {reason}); WANDB_MODE=offline logs without "
             "the server"
         ) from None
+
+
+def check_report_to(cfg: Config) -> None:
+    """--report-to's packages importable, and wandb's key or offline mode found: else a one-line ConfigError."""
+    targets = cfg.report_to.split(",")
+    if "tensorboard" in targets:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except ImportError:
+            raise ConfigError("--report-to tensorboard: install the tensorboard package first") from None
+    if "wandb" in targets:
+        check_wandb()
 
 
 def check_wandb():

@@ -224,6 +224,7 @@ def test_a_run_from_before_fingerprints_and_whole_starts_resumes_as_before(tmp_p
     ck = torch.load(ck_path, weights_only=True)
     del ck["eval_start"]  # a checkpoint as they were: the start's accuracy and pass@1 alone
     torch.save(ck, ck_path)
+    (out / "manifest.json").unlink()  # nor was there a manifest (nor checkpoints' sha256) then
     r = main("--resume", "--out", out)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "records no fingerprints of the rewards and data" in r.stdout + r.stderr
