@@ -554,6 +554,9 @@ def test_files_of_ones_own_at_any_depth_are_named_and_left_in_place(
     before = snapshot(out)
     line = one_line_error(main(*tiny(warm_cache, out, 1, *overwrite)), 2, "not a run's", "nothing was deleted")
     assert all(name in line for name in files) and snapshot(out) == before
+    if run and "final/model.bin" in files:  # the end of a resumed run replaces final/: refused before, too
+        one_line_error(main("--resume", "--out", out, "--steps", 3), 2, "final/model.bin", "nothing was deleted")
+        assert snapshot(out) == before
     if not run:  # a folder that never was a run is not called one, and --resume does not send the user back
         line = one_line_error(main("--resume", "--out", out), 2, "holds no run to continue")
         assert "without --resume" in line and snapshot(out) == before
