@@ -46,7 +46,7 @@ _SAVED = (
     r"|README\.md"
 )
 LEGACY = re.compile(
-    rf"^(?:{_TOP.replace(re.escape(MANIFEST) + '|', '')}|checkpoints/step-\d{{8}}\.pt|final/(?:{_SAVED})"
+    rf"^(?:{'|'.join(re.escape(n) for n in TOP_FILES if n != MANIFEST)}|checkpoints/step-\d{{8}}\.pt|final/(?:{_SAVED})"
     r"|tensorboard/events\.out\.tfevents\.[^/]+|wandb/(?:latest-run|debug\.log|debug-internal\.log))$"
 )
 
