@@ -134,8 +134,8 @@ class Config:
     )
     compile: bool = arg(
         False,
-        "torch.compile the fast sampler's step and the LM head's chunk functions (engine/compiled.py); its compile "
-        "seconds are logged. Off until a GPU measures it faster",
+        "torch.compile the fast sampling loop's step and the LM head's chunk functions (engine/compiled.py); its "
+        "compile seconds are logged. Off until a GPU measures it faster",
     )
     # --- advantages (step 4) ----------------------------------------------------------------------
     mask_zero_std: bool = arg(

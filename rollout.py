@@ -16,11 +16,11 @@ Position ids come from the attention mask (cumsum - 1), so a left-padded prompt 
 unpadded one.
 
 Deviations from common practice:
-  1. The sampler is our own loop rather than `model.generate`, so that it takes a generator, returns the sampled
+  1. The sampling loop is our own rather than `model.generate`, so that it takes a generator, returns the sampled
      tokens' log-probs and entropies, and treats EOS uniformly.
   2. A group's G rows share their prompt: it runs once per group, and its KV cache is fanned out to the G rows.
   3. `generate` runs the loop it is given: `sample`, the reference, by default; the loop passes decoding.py's
-     static-KV-cache sampler on CUDA (--sampling, train.sampling_loop), tested equal (tests/test_fastpath.py). Both take
+     static-KV-cache loop on CUDA (--sampling, train.sampling_loop), tested equal (tests/test_fastpath.py). Both take
      their tokens from `next_token`, so the math after the logits is written once; the static loop passes its own
      draw (the exponential race) and checks less often, each check being a host sync. This file
      imports torch and logprobs.py, and `sample` transformers' DynamicCache (the model's own KV cache) when it runs.
@@ -127,7 +127,7 @@ def generate(
     truncation: Truncation | None = None,
     generator: torch.Generator | None = None,
     ignore_eos: bool = False,
-    sampler: Callable[..., dict] | None = None,
+    loop: Callable[..., dict] | None = None,
 ) -> Rollout:
     """Sample `group_size` completions for each of B left-padded prompts from `model` (alpha).
 
@@ -138,8 +138,8 @@ def generate(
         truncation: top-k / top-p / min-p (logprobs.Truncation); the log-probs are renormalised over the kept set.
         generator: the torch.Generator used for sampling (on the model's device).
         ignore_eos: keep sampling past EOS (benchmarks, so every row has the same length).
-        sampler: the sampling loop, called as `sample` is and returning what it returns (None: `sample`, the
-            reference; decoding.static_sampler: the static KV cache, a CUDA graph on a GPU).
+        loop: the sampling loop, called as `sample` is and returning what it returns (None: `sample`, the
+            reference; decoding.static_loop: the static KV cache, a CUDA graph on a GPU).
 
     Returns:
         A Rollout with N = B * group_size rows, ordered group-major.
@@ -154,7 +154,7 @@ def generate(
         generator=generator,
         ignore_eos=ignore_eos,
     )
-    steps = (sampler or sample)(model, prompt_ids, prompt_mask.long(), rows, **kw)
+    steps = (loop or sample)(model, prompt_ids, prompt_mask.long(), rows, **kw)
     return to_rollout(prompt_ids[rows], prompt_mask[rows].long(), **steps)
 
 

@@ -78,7 +78,7 @@ from bookkeeping.run_io import RunWriter
 from config import Config, ConfigError, config_from_args, parse_args, validate
 from engine.chunked_logprobs import chunked_token_logprobs
 from engine.compiled import compile_hot_paths, compile_line, compile_seconds
-from engine.decoding import sampling_path, static_sampler
+from engine.decoding import sampling_path, static_loop
 from engine.policy import (
     Models,
     auto_micro_batch,
@@ -239,7 +239,7 @@ def sample_ahead(cfg: Config, policy, tokenizer, k: int, ahead: range, draw, gen
             pad_token_id=tokenizer.pad_token_id,
             generator=gen,
             ignore_eos=ignore_eos,
-            sampler=sampling_loop(cfg),
+            loop=sampling_loop(cfg),
         )
     with timer("score"):
         rewards = [reward_fn(ro) for ro, (_, _, reward_fn) in zip(rollouts, draws)]  # (N,) each
@@ -345,7 +345,7 @@ def evaluating(model):
 def sampling_loop(cfg: Config) -> Callable[..., dict]:
     """The one choice of sampling loop (--sampling): rollout.sample, the reference, or engine/decoding.py's static
     KV cache (a CUDA graph on a GPU) where it applies, tested equal (tests/test_fastpath.py)."""
-    return sample if cfg.sampling == "plain" else static_sampler(cfg.fast)
+    return sample if cfg.sampling == "plain" else static_loop(cfg.fast)
 
 
 def ref_logprobs(cfg: Config, models: Models, ro: Rollout, k: int) -> torch.Tensor | None:

@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT))  # the checkout's top-level modules, however the s
 
 from engine import decoding, tiny  # noqa: E402
 from engine.chunked_logprobs import chunked_token_logprobs  # noqa: E402
-from engine.decoding import sampling_path, static_sampler  # noqa: E402
+from engine.decoding import sampling_path, static_loop  # noqa: E402
 from logprobs import token_logprobs  # noqa: E402
 from problems.tasks import Problem, encode_prompts  # noqa: E402
 from rollout import generate  # noqa: E402
@@ -193,7 +193,7 @@ def sample(model, tok, ids, mask, fast, temperature=0.0, seed=None, group_size=2
         pad_token_id=tok.pad_token_id,
         ignore_eos=ignore_eos,
         generator=generator,
-        sampler=static_sampler(True) if fast else None,
+        loop=static_loop(True) if fast else None,
     )
 
 

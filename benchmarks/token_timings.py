@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from bookkeeping.metrics import clock
 from engine.chunked_logprobs import SelectedLogProb
-from engine.decoding import sample_exponential_race, static_decoder, static_sampler, transformers_model
+from engine.decoding import sample_exponential_race, static_decoder, static_loop, transformers_model
 from engine.policy import autocast
 from logprobs import kept_tokens
 from rollout import generate, next_token
@@ -125,8 +125,8 @@ def token_timings(cfg, model, tok, prompt_ids: torch.Tensor, tokens: int = 32, r
         decode_steps()  # on CUDA: the graph's capture
         out["decode_step"] = 1e3 * statistics.median(decode_steps() for _ in range(repeats)) / steps
 
-        fast = static_sampler(True)
-        out["static_call"] = median_ms(lambda: generate(model, prompt_ids, mask, sampler=fast, **kw), repeats, device)
+        fast = static_loop(True)
+        out["static_call"] = median_ms(lambda: generate(model, prompt_ids, mask, loop=fast, **kw), repeats, device)
         out["plain_loop"] = median_ms(lambda: generate(model, prompt_ids, mask, **kw), repeats, device)
         out["generate"] = median_ms(
             lambda: transformers_model(model).generate(

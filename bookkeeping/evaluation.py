@@ -35,7 +35,7 @@ def evaluate(
     truncation=None,
     generator: torch.Generator | None = None,
     batch_size: int = 256,
-    sampler=None,
+    loop=None,
     state: RewardState | None = None,
     scores_out: list | None = None,
     rows_out: list | None = None,
@@ -47,14 +47,14 @@ def evaluate(
     `reward`: (completion, gold) -> a float, whose mean this is, or the run's Rewards: then a completion is credited
     as Scores.credited says (the built-in verifier's credit, else a weighted reward > 0; `state` is their
     trainer_state), `scores_out` (a list) gets the Scores of all the completions (their weighted rewards among
-    them), `rows_out` a dict per completion (prompt, completion, reward, rewards). `sampler`: rollout.generate's
+    them), `rows_out` a dict per completion (prompt, completion, reward, rewards). `loop`: rollout.generate's
     loop (None: rollout.sample). Raises Diverged when the policy's logits are not finite."""
     was_training = model.training
     model.eval()
     correct, parts = 0.0, []
     # The same `generate` as training, so evaluation also exercises the sampling path the run uses.
     special = dict(eos_token_id=end_ids(model, tokenizer), pad_token_id=tokenizer.pad_token_id)  # every end id
-    sampling = dict(temperature=temperature, truncation=truncation, generator=generator, sampler=sampler)
+    sampling = dict(temperature=temperature, truncation=truncation, generator=generator, loop=loop)
     per_call = max(1, batch_size // samples)  # problems per generate call: at most batch_size rows
     for s in range(0, len(problems), per_call):
         chunk = problems[s : s + per_call]
@@ -93,7 +93,7 @@ def evaluation(
     rewards=None,
     at_step: int = -1,
     writer=None,
-    sampler=None,
+    loop=None,
 ) -> dict:
     """The held-out metrics: eval_accuracy (greedy; the accuracy of metrics.jsonl: the built-in verifier's share
     credited, else the share of weighted rewards > 0) and, with --eval-samples k, eval_pass1 (the mean accuracy of
@@ -101,11 +101,11 @@ def evaluation(
     sampler's stream is untouched, and every evaluation of the run sees the same noise. With rewards of one's own
     (`own_rewards`) also the mean weighted reward (eval_reward), each function's mean (eval_rewards/NAME),
     eval_reward_none_frac and what they logged (eval_logged/NAME); the greedy completions go to completions.jsonl
-    with --log-completions (`at_step`: the steps done, less one). `sampler`: the run's sampling loop
+    with --log-completions (`at_step`: the steps done, less one). `loop`: the run's sampling loop
     (train.sampling_loop), run under training's autocast."""
     reward = rewards or run_rewards(cfg)
     scores, rows = [], [] if writer is not None and cfg.log_completions else None
-    kw = dict(state=RewardState(at_step + 1, cfg.steps), scores_out=scores, rows_out=rows, sampler=sampler)
+    kw = dict(state=RewardState(at_step + 1, cfg.steps), scores_out=scores, rows_out=rows, loop=loop)
     with autocast(cfg, device):
         out = {"eval_accuracy": evaluate(model, tokenizer, heldout, cfg.max_new_tokens, device, reward, **kw)}
         if scores and own_rewards(cfg):
@@ -130,7 +130,7 @@ def evaluation(
                 reward,
                 **sampling,
                 generator=gen,
-                sampler=sampler,
+                loop=loop,
             )
     return out
 

@@ -1,13 +1,13 @@
 """The fast sampling path of `rollout.generate` on CUDA: an optimisation beside `rollout.sample`, the reference.
 
-    static_sampler       what the loop passes as `generate(sampler=...)` (train.sampling_loop): `sample_static` where it
+    static_loop          what the loop passes as `generate(loop=...)` (train.sampling_loop): `sample_static` where it
                          applies, else rollout.sample; a failed graph capture samples again on rollout.sample
     sample_static        rollout.sample's loop on a static KV cache, around the same step (rollout.next_token);
                          on CUDA the decode step's forward is captured once as a CUDA graph and replayed, so it
                          costs no Python per layer (gpt-fast's technique). It draws by the exponential race
                          (`sample_exponential_race`) rather than multinomial.
-    use_static_decoder   whether `static_sampler` takes it: on CUDA, for models it fits, once a probe step worked
-    sampling_path        the name of the path `static_sampler(fast)` would take ("plain", "static-cache", "+cuda-graph")
+    use_static_decoder   whether `static_loop` takes it: on CUDA, for models it fits, once a probe step worked
+    sampling_path        the name of the path `static_loop(fast)` would take ("plain", "static-cache", "+cuda-graph")
 
 tests/test_fastpath.py and tests/test_gpu_path.py check that the two paths agree (greedy tokens identical, sampled
 log-probs against a full forward), on Qwen2, Llama and a PEFT-wrapped model, and under bf16 autocast. Deviation from
@@ -56,15 +56,13 @@ def static_cache_fits(model) -> bool:
 
 
 def sampling_path(model, fast: bool | None = None) -> str:
-    """How `static_sampler(fast)` samples on `model`: "plain", "static-cache" or "static-cache+cuda-graph"."""
+    """How `static_loop(fast)` samples on `model`: "plain", "static-cache" or "static-cache+cuda-graph"."""
     on_cuda = next(model.parameters()).device.type == "cuda"
     ok = static_cache_fits(model)
     if fast is False or (fast is None and not (ok and on_cuda and model not in _NO_FAST)):
         return "plain"
     if not ok:
-        raise ValueError(
-            "static_sampler(True) needs a transformers model with sdpa attention and full-attention layers"
-        )
+        raise ValueError("static_loop(True) needs a transformers model with sdpa attention and full-attention layers")
     return "static-cache+cuda-graph" if on_cuda and model not in _NO_GRAPH else "static-cache"
 
 
@@ -298,7 +296,7 @@ def _try_static_path(model, device) -> None:
 
 
 def use_static_decoder(model, n: int, length: int, fast: bool | None = None, log=warn) -> bool:
-    """Whether `static_sampler` samples N rows of up to `length` tokens with `sample_static`.
+    """Whether `static_loop` samples N rows of up to `length` tokens with `sample_static`.
 
     fast=False: no. fast=True: yes, whatever happens (errors are the caller's). fast=None (auto): where
     `sampling_path` allows it (CUDA), once the static cache has taken one probe step on this model; should the
@@ -331,8 +329,8 @@ def capture_failed(model, error: GraphCaptureError, log=warn) -> None:
     log(f"rollout: capturing the decode step as a CUDA graph failed ({error}); sampling on the plain loop")
 
 
-def static_sampler(fast: bool | None = None):
-    """A sampling loop for `rollout.generate(sampler=...)`: `sample_static` where `use_static_decoder(fast)` allows
+def static_loop(fast: bool | None = None):
+    """A sampling loop for `rollout.generate(loop=...)`: `sample_static` where `use_static_decoder(fast)` allows
     (fast=None: auto, on CUDA; True: always; False: never), else rollout.sample. Should the graph capture fail, the
     call samples again on rollout.sample from the same generator state, and the run goes on (`capture_failed`)."""
 

@@ -16,7 +16,7 @@ import torch
 
 from engine import compiled
 from engine.chunked_logprobs import chunked_token_logprobs
-from engine.decoding import static_sampler
+from engine.decoding import static_loop
 from problems.tasks import Problem, encode_prompts
 from rollout import generate
 
@@ -53,7 +53,7 @@ def sample_and_score(model, tok, temperature):
         temperature=temperature,
         ignore_eos=True,
         generator=torch.Generator().manual_seed(5),
-        sampler=static_sampler(True),
+        loop=static_loop(True),
         **special,
     )
     model.zero_grad()

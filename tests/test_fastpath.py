@@ -16,7 +16,7 @@ import torch
 
 from engine import decoding
 from engine.chunked_logprobs import chunked_token_logprobs
-from engine.decoding import sample_exponential_race, sampling_path, static_sampler
+from engine.decoding import sample_exponential_race, sampling_path, static_loop
 from logprobs import position_ids_from_mask, token_logprobs
 from problems.tasks import Problem, encode_prompts
 from rollout import generate
@@ -62,11 +62,11 @@ def test_greedy_is_identical_on_both_paths(model, tok):
     ids, mask = prompts(tok)
     kw = kwargs(tok, group_size=2, max_new_tokens=12, temperature=0.0)
     plain = generate(model, ids, mask, **kw)
-    fast = generate(model, ids, mask, sampler=static_sampler(True), **kw)
+    fast = generate(model, ids, mask, loop=static_loop(True), **kw)
     assert_same_rollout(plain, fast)
     # ignore_eos too: every row runs to max_new_tokens and is truncated.
     plain = generate(model, ids, mask, ignore_eos=True, **kw)
-    fast = generate(model, ids, mask, sampler=static_sampler(True), ignore_eos=True, **kw)
+    fast = generate(model, ids, mask, loop=static_loop(True), ignore_eos=True, **kw)
     assert_same_rollout(plain, fast)
     assert fast.completion_ids.shape[1] == 12 and fast.truncated.all()
 
@@ -141,7 +141,7 @@ def test_eos_bookkeeping_matches_the_plain_loop(ending_model, tok, max_new_token
     ids, mask = encode_prompts(tok, [Problem(q, "0") for q in ENDING_PROMPTS], "cpu")
     kw = kwargs(tok, group_size=1, max_new_tokens=max_new_tokens, temperature=0.0)
     plain = generate(ending_model, ids, mask, **kw)
-    fast = generate(ending_model, ids, mask, sampler=static_sampler(True), **kw)
+    fast = generate(ending_model, ids, mask, loop=static_loop(True), **kw)
     assert_same_rollout(plain, fast)
     expected = [chain_length(q, max_new_tokens) for q in ENDING_PROMPTS]
     for ro in (plain, fast):
@@ -164,7 +164,7 @@ def test_sampled_masks_follow_the_eos_rules(ending_model, tok):
         ending_model,
         ids,
         mask,
-        sampler=static_sampler(True),
+        loop=static_loop(True),
         generator=torch.Generator().manual_seed(0),
         **kwargs(tok, group_size=8, max_new_tokens=4, temperature=1.5),
     )
@@ -182,7 +182,7 @@ def test_sampled_masks_follow_the_eos_rules(ending_model, tok):
 def test_sampled_logprobs_and_entropy_match_a_full_forward(model, tok, temperature):
     ids, mask = prompts(tok)
     kw = kwargs(tok, group_size=4, max_new_tokens=10, temperature=temperature)
-    ro = generate(model, ids, mask, sampler=static_sampler(True), generator=torch.Generator().manual_seed(0), **kw)
+    ro = generate(model, ids, mask, loop=static_loop(True), generator=torch.Generator().manual_seed(0), **kw)
     lp = chunked_token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, temperature)
     assert torch.allclose(ro.sampler_logp, lp, atol=1e-5)  # static-cache sampling == full forward
     assert torch.allclose(ro.entropy, full_forward_entropy(model, ro, temperature), atol=1e-5)
@@ -194,8 +194,8 @@ def test_sampled_logprobs_and_entropy_match_a_full_forward(model, tok, temperatu
         atol=1e-5,
     )
     # The generator alone decides the sample: same seed, same tokens; another seed, others.
-    again = generate(model, ids, mask, sampler=static_sampler(True), generator=torch.Generator().manual_seed(0), **kw)
-    other = generate(model, ids, mask, sampler=static_sampler(True), generator=torch.Generator().manual_seed(1), **kw)
+    again = generate(model, ids, mask, loop=static_loop(True), generator=torch.Generator().manual_seed(0), **kw)
+    other = generate(model, ids, mask, loop=static_loop(True), generator=torch.Generator().manual_seed(1), **kw)
     assert_same_rollout(ro, again, atol=0)
     assert not torch.equal(ro.completion_ids, other.completion_ids)
 
@@ -208,17 +208,17 @@ def test_reused_cache_sees_new_prompts_and_new_weights(tok):
     model = tiny.build_model(tok, seed=0).eval()
     kw = kwargs(tok, group_size=2, max_new_tokens=8, temperature=0.0, ignore_eos=True)
     ids, mask = prompts(tok)
-    generate(model, ids, mask, sampler=static_sampler(True), **kw)
+    generate(model, ids, mask, loop=static_loop(True), **kw)
     ids2, mask2 = encode_prompts(tok, [Problem("9*9=", "81"), Problem("1+1=", "2"), Problem("77-70=", "7")], "cpu")
     assert_same_rollout(
         generate(model, ids2, mask2, **kw),
-        generate(model, ids2, mask2, sampler=static_sampler(True), **kw),
+        generate(model, ids2, mask2, loop=static_loop(True), **kw),
     )
     with torch.no_grad():
         model.load_state_dict(tiny.build_model(tok, seed=5).state_dict())  # in place, like alpha <- pi_theta
     assert_same_rollout(
         generate(model, ids2, mask2, **kw),
-        generate(model, ids2, mask2, sampler=static_sampler(True), **kw),
+        generate(model, ids2, mask2, loop=static_loop(True), **kw),
     )
 
 
@@ -238,7 +238,7 @@ def test_sampling_path_names(model, tok):
     assert sampling_path(model) == ("static-cache+cuda-graph" if next(model.parameters()).is_cuda else "plain")
     assert sampling_path(model, fast=True) == "static-cache"  # the model is on CPU here
     assert sampling_path(model, fast=False) == "plain"
-    lm = torch.nn.Linear(2, 2)  # not a transformers model: plain, and sampler=static_sampler(True) is an error
+    lm = torch.nn.Linear(2, 2)  # not a transformers model: plain, and loop=static_loop(True) is an error
     lm.config = SimpleNamespace(_attn_implementation="sdpa")
     assert sampling_path(lm) == "plain"
     with pytest.raises(ValueError):
@@ -251,7 +251,7 @@ def test_one_token_prompts(model, tok):
     kw = kwargs(tok, group_size=2, max_new_tokens=6, temperature=0.0, ignore_eos=True)
     assert_same_rollout(
         generate(model, ids, mask, **kw),
-        generate(model, ids, mask, sampler=static_sampler(True), **kw),
+        generate(model, ids, mask, loop=static_loop(True), **kw),
     )
 
 
@@ -262,7 +262,7 @@ def test_shared_prompt_logprobs_and_gradients_equal_row_by_row(model, tok):
         model,
         ids,
         mask,
-        sampler=static_sampler(False),
+        loop=static_loop(False),
         generator=torch.Generator().manual_seed(0),
         **kwargs(tok, group_size=4, max_new_tokens=6, temperature=1.0),
     )
@@ -290,7 +290,7 @@ def test_prompts_run_once_per_group(model, tok):
     kw = kwargs(tok, group_size=g, max_new_tokens=t, temperature=1.0, ignore_eos=True)
     for fast in (False, True):
         seen.clear()
-        ro = generate(model, ids, mask, sampler=static_sampler(fast), generator=torch.Generator().manual_seed(0), **kw)
+        ro = generate(model, ids, mask, loop=static_loop(fast), generator=torch.Generator().manual_seed(0), **kw)
         assert seen == [b * p] + [b * g] * (t - 1)  # the prefill once per prompt, then one token per row
     seen.clear()
     chunked_token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)
@@ -299,7 +299,7 @@ def test_prompts_run_once_per_group(model, tok):
 
 
 def test_auto_falls_back_to_plain_when_the_static_cache_fails(model, tok, monkeypatch, capsys):
-    # sampler=static_sampler(None) on a model the static cache turns out not to fit (a transformers version whose
+    # loop=static_loop(None) on a model the static cache turns out not to fit (a transformers version whose
     # attention calls the cache differently, say): one warning, the plain result, plain from then on.
     monkeypatch.setattr(decoding, "sampling_path", lambda m, fast=None: "plain" if fast is False else "static-cache")
 
@@ -309,13 +309,13 @@ def test_auto_falls_back_to_plain_when_the_static_cache_fails(model, tok, monkey
     monkeypatch.setattr(decoding.StaticDecoder, "prefill", broken)
     ids, mask = prompts(tok)
     kw = kwargs(tok, group_size=2, max_new_tokens=5, temperature=0.0)
-    ro = generate(model, ids, mask, sampler=static_sampler(None), **kw)
+    ro = generate(model, ids, mask, loop=static_loop(None), **kw)
     warned = capsys.readouterr().err.splitlines()
     assert len(warned) == 1 and "static-cache path failed" in warned[0]  # one line
     assert_same_rollout(ro, generate(model, ids, mask, **kw))
     assert model in decoding._NO_FAST  # sampling_path(model) stays "plain" on CUDA too
     with pytest.raises(TypeError):  # asked for explicitly, the failure is the caller's to see
-        generate(model, ids, mask, sampler=static_sampler(True), **kw)
+        generate(model, ids, mask, loop=static_loop(True), **kw)
 
 
 def test_a_diverged_policy_is_not_taken_for_a_path_failure(tok, monkeypatch):
@@ -333,7 +333,7 @@ def test_a_diverged_policy_is_not_taken_for_a_path_failure(tok, monkeypatch):
             model,
             ids,
             mask,
-            sampler=static_sampler(None),
+            loop=static_loop(None),
             **kwargs(tok, group_size=2, max_new_tokens=3, temperature=1.0),
         )
     assert model not in decoding._NO_FAST
@@ -356,7 +356,7 @@ def test_logits_that_turn_non_finite_mid_decode_raise_floating_point_error(tok, 
     ids, mask = prompts(tok)
     kw = kwargs(tok, group_size=2, max_new_tokens=6, temperature=1.0)
     with pytest.raises(FloatingPointError, match="not finite"):
-        generate(model, ids, mask, sampler=static_sampler(fast), ignore_eos=True, **kw)
+        generate(model, ids, mask, loop=static_loop(fast), ignore_eos=True, **kw)
     assert len(calls) >= 3  # it did get past the prefill
 
 
@@ -372,7 +372,7 @@ def test_cuda_graph_greedy_matches_plain_and_sees_weight_updates(tok):
     ids, mask = prompts(tok, "cuda")
     kw = kwargs(tok, group_size=4, max_new_tokens=16, temperature=0.0)
     assert_same_rollout(
-        generate(model, ids, mask, **kw), generate(model, ids, mask, sampler=static_sampler(None), **kw), atol=1e-4
+        generate(model, ids, mask, **kw), generate(model, ids, mask, loop=static_loop(None), **kw), atol=1e-4
     )
     assert sampling_path(model) == "static-cache+cuda-graph"  # the capture worked (no fallback)
     # An optimizer step changes the weights in place: the replayed graph must use the new ones.
@@ -380,7 +380,7 @@ def test_cuda_graph_greedy_matches_plain_and_sees_weight_updates(tok):
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     assert_same_rollout(
-        generate(model, ids, mask, **kw), generate(model, ids, mask, sampler=static_sampler(None), **kw), atol=1e-4
+        generate(model, ids, mask, **kw), generate(model, ids, mask, loop=static_loop(None), **kw), atol=1e-4
     )
 
 
@@ -392,12 +392,12 @@ def test_cuda_graph_sampling_logprobs_match_a_full_forward(tok):
     ids, mask = prompts(tok, "cuda")
     kw = kwargs(tok, group_size=8, max_new_tokens=16, temperature=0.9)
     gen = lambda s: torch.Generator(device="cuda").manual_seed(s)
-    ro = generate(model, ids, mask, sampler=static_sampler(None), generator=gen(0), **kw)
+    ro = generate(model, ids, mask, loop=static_loop(None), generator=gen(0), **kw)
     lp = chunked_token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 0.9)
     assert torch.allclose(ro.sampler_logp, lp, atol=1e-4)
     assert torch.allclose(ro.entropy, full_forward_entropy(model, ro, 0.9), atol=1e-4)
     assert_same_rollout(
-        ro, generate(model, ids, mask, sampler=static_sampler(None), generator=gen(0), **kw), atol=0
+        ro, generate(model, ids, mask, loop=static_loop(None), generator=gen(0), **kw), atol=0
     )  # graph replay reproduces
 
 
@@ -412,7 +412,7 @@ def test_cuda_graph_under_bf16_autocast(tok):
         tok, group_size=4, max_new_tokens=12, temperature=1.0, generator=torch.Generator(device="cuda").manual_seed(0)
     )
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        ro = generate(model, ids, mask, sampler=static_sampler(None), **kw)
+        ro = generate(model, ids, mask, loop=static_loop(None), **kw)
         lp = chunked_token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)
     assert sampling_path(model) == "static-cache+cuda-graph"
     assert torch.isfinite(ro.sampler_logp).all()
@@ -446,8 +446,8 @@ def test_every_end_id_of_the_generation_config_ends_a_row_on_both_paths(ending_m
     kw = dict(pad_token_id=tok.pad_token_id, group_size=1, max_new_tokens=8, temperature=0.0)
     expected = [chain_length(q, 8, ends=("<eos>", "3")) for q in ENDING_PROMPTS]
     assert expected != [chain_length(q, 8) for q in ENDING_PROMPTS]  # the second end id changes some rows
-    for sampler in (None, static_sampler(True)):
-        ro = generate(model, ids, mask, eos_token_id=end_ids(model, tok), sampler=sampler, **kw)
+    for loop in (None, static_loop(True)):
+        ro = generate(model, ids, mask, eos_token_id=end_ids(model, tok), loop=loop, **kw)
         assert ro.completion_mask.sum(1).tolist() == [n for n, _ in expected]
         assert ro.truncated.tolist() == [trunc for _, trunc in expected]
         for row, (n, trunc) in zip(ro.completion_ids.tolist(), expected):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.chunked_logprobs import SelectedLogProb
-from engine.decoding import static_sampler
+from engine.decoding import static_loop
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
@@ -210,7 +210,7 @@ def sample_both_ways(model, tok, temperature=0.0, **kw):
     ids, mask = left_padded_prompts(tok)
     special = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     args = dict(group_size=2, max_new_tokens=10, temperature=temperature, ignore_eos=True, **special, **kw)
-    return generate(model, ids, mask, **args), generate(model, ids, mask, sampler=static_sampler(True), **args)
+    return generate(model, ids, mask, **args), generate(model, ids, mask, loop=static_loop(True), **args)
 
 
 @pytest.mark.model
@@ -292,7 +292,7 @@ def test_the_static_decoder_casts_no_weight_per_token_under_autocast(tok):
         max_new_tokens=10,
         temperature=0.0,
         ignore_eos=True,
-        sampler=static_sampler(fast),
+        loop=static_loop(fast),
         **special,
     )
     casts = {}
@@ -318,7 +318,7 @@ def test_the_static_decoders_of_one_model_share_one_cast_of_its_weights(tok):
     special = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=0.0, ignore_eos=True)
     with torch.autocast(**BF16):
         for group_size in (1, 2, 4):  # three shapes, three decoders
-            generate(model, ids, mask, group_size=group_size, max_new_tokens=4, sampler=static_sampler(True), **special)
+            generate(model, ids, mask, group_size=group_size, max_new_tokens=4, loop=static_loop(True), **special)
     decoders = list(decoding._DECODERS[model].values())
     assert len(decoders) == 3
     first = decoders[0].weights
@@ -327,7 +327,7 @@ def test_the_static_decoders_of_one_model_share_one_cast_of_its_weights(tok):
     with torch.no_grad():
         next(p for n, p in model.named_parameters() if n in first).add_(1.0)  # an optimizer step, in place
     with torch.autocast(**BF16):
-        generate(model, ids, mask, group_size=1, max_new_tokens=4, sampler=static_sampler(True), **special)
+        generate(model, ids, mask, group_size=1, max_new_tokens=4, loop=static_loop(True), **special)
     name = next(iter(first))
     assert torch.equal(first[name], dict(model.named_parameters())[name].detach().to(torch.bfloat16))
 
@@ -344,7 +344,7 @@ def test_evaluations_shape_does_not_evict_the_training_decoder(tok):
     ids, mask = left_padded_prompts(tok)
     special = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     generate(
-        model, ids, mask, group_size=1, max_new_tokens=10, temperature=0.0, sampler=static_sampler(True), **special
+        model, ids, mask, group_size=1, max_new_tokens=10, temperature=0.0, loop=static_loop(True), **special
     )  # 3 rows
     sample_both_ways(model, tok)
     assert len(decoding._DECODERS[model]) == 2 and training in decoding._DECODERS[model].values()
@@ -418,16 +418,14 @@ def test_a_failed_graph_capture_falls_back_to_the_plain_loop_with_one_line(tok, 
     kw = dict(
         group_size=2, max_new_tokens=8, temperature=1.0, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
     )
-    ro = generate(
-        model, ids, mask, sampler=static_sampler(None), generator=torch.Generator().manual_seed(3), **kw
-    )  # auto
+    ro = generate(model, ids, mask, loop=static_loop(None), generator=torch.Generator().manual_seed(3), **kw)  # auto
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "CUDA graph failed" in err[0] and "OutOfMemoryError" in err[0], err
     plain = generate(model, ids, mask, generator=torch.Generator().manual_seed(3), **kw)
     assert torch.equal(ro.completion_ids, plain.completion_ids) and torch.equal(ro.sampler_logp, plain.sampler_logp)
     assert model in decoding._NO_FAST and model not in decoding._DECODERS
     generate(
-        model, ids, mask, sampler=static_sampler(None), generator=torch.Generator().manual_seed(3), **kw
+        model, ids, mask, loop=static_loop(None), generator=torch.Generator().manual_seed(3), **kw
     )  # no second capture, no second line
     assert capsys.readouterr().err == ""
 
@@ -503,8 +501,8 @@ def test_evaluation_samples_under_the_training_autocast(warm_cache, tmp_path, mo
 
     seen = []
 
-    def generate(*a, sampler=None, **kw):
-        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), sampler))
+    def generate(*a, loop=None, **kw):
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), loop))
         raise StopIteration  # nothing to score: the state at the call is the test
 
     monkeypatch.setattr(bookkeeping.evaluation, "generate", generate)
@@ -512,7 +510,7 @@ def test_evaluation_samples_under_the_training_autocast(warm_cache, tmp_path, mo
         train.main(tiny_args(warm_cache, tmp_path / "run", "--dtype", "bfloat16", "--sampling", "fast"))
     (enabled, dtype, loop), *more = seen
     assert (enabled, dtype, more) == (True, torch.bfloat16, [])
-    assert loop.__qualname__.startswith("static_sampler"), loop  # --sampling fast: decoding.py's loop, as training
+    assert loop.__qualname__.startswith("static_loop"), loop  # --sampling fast: decoding.py's loop, as training
 
 
 # --- the memory defaults: --micro-batch and --sample-rows on CUDA (engine/policy.py's formulas) -------------------

@@ -11,7 +11,7 @@ import torch
 import train
 from config import Config, resolve
 from engine.chunked_logprobs import SelectedLogProb, chunked_token_logprobs
-from engine.decoding import static_sampler
+from engine.decoding import static_loop
 from engine.policy import make_models
 from logprobs import Truncation, kept_tokens, sampling_logits, token_logprobs
 from problems.tasks import Problem, encode_prompts
@@ -85,7 +85,7 @@ def batch(tok, model, truncation, temperature=0.9, seed=0, fast=False):
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         generator=gen,
-        sampler=static_sampler(fast),
+        loop=static_loop(fast),
     )
 
 
@@ -162,7 +162,7 @@ def test_rho_prime_is_one_at_a_refresh_with_top_p_on(model, tok, alpha_logp_from
     problems = [Problem("12+34=", "46"), Problem("7*8=", "56")]
     mixed = lambda ro: torch.tensor([1.0, 0.0] * 4)  # noqa: E731  every group has signal: the update runs
     draws = [(*encode_prompts(tok, problems, "cpu"), mixed) for _ in range(2)]
-    res, _ = train.grpo_step(cfg, models, tok, 0, torch.Generator().manual_seed(0), None, lambda k, n: draws[:n])
+    res, _ = train.grpo_step(cfg, models, tok, 0, torch.Generator().manual_seed(0), None, lambda k, n, now: draws[:n])
     assert res.refresh
     if alpha_logp_from == "recompute":
         assert res.stats["rho_prime_max"] == 1.0 and res.stats["rho_prime_p99"] == 1.0
