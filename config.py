@@ -134,8 +134,7 @@ class Config:
     )
     compile: bool = arg(
         False,
-        "torch.compile the fast sampling loop's step and the LM head's chunk functions (engine/compiled.py); its "
-        "compile seconds are logged. Off until a GPU measures it faster",
+        "torch.compile the fast loop's sampling step and the LM head's chunks (engine/compiled.py; compile_s logged)",
     )
     # --- advantages (step 4) ----------------------------------------------------------------------
     mask_zero_std: bool = arg(
