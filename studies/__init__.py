@@ -3,6 +3,7 @@ e.g. `python -m studies.staleness`.
 
     experiment.py       [A]'s on/off-policy sweep
     staleness.py        the staleness study: corrections x v x inner steps x lr
+    very_stale.py       how stale can it go: a constant lag up to 256 x six corrections (M2PO, OPSM among them)
     real_staleness.py   the same on SmolLM2-135M-Instruct (LoRA)
     trl_staleness.py    stock TRL's stale sampler beside ours
     drift.py            how far alpha drifts from pi_theta per recipe, against the gap
