@@ -20,7 +20,7 @@ import torch
 import config
 import train
 from bookkeeping.failures import Diverged, check_finite_weights, stop_if_diverged
-from conftest import ROOT, TEST_WARMUP
+from conftest import ROOT, TEST_WARMUP, needs
 
 pytestmark = pytest.mark.model  # trains a model: CI runs these again under plain kernels
 
@@ -601,6 +601,7 @@ def test_a_manifest_lists_every_file_the_run_wrote_and_overwrite_deletes_those(
 ):
     from bookkeeping.manifest import Manifest, sort_out
 
+    needs("tensorboard", "tensorboard")  # the new run writes TensorBoard's events too
     out = copy_run(finished_run, tmp_path / "run")
     manifest = Manifest.load(out)
     on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} - {".lock", "manifest.json"}
