@@ -13,7 +13,7 @@ on a stale batch.
 The log-probs of the sampled completion tokens, each (N, T), named as in docs/design.md, "Notation":
     logp        log pi_theta   the policy being trained (the only one with a gradient)
     pi_k_logp   log pi_k       pi_theta at the start of step k, before its first optimizer step
-    alpha_logp  log alpha      the sampler: pi_theta at the last refresh, up to v - 1 steps old
+    alpha_logp  log alpha      the sampler: pi_theta of the step that drew the batch (v - 1 or s steps old at most)
     ref_logp    log pi_ref     the KL reference (None: no KL term)
 and a `loss_mask` (N, T): 1 on the tokens that count, the completion tokens up to and including EOS of the
 groups that carry signal. The surrogate also has the other engines' staleness corrections: AReaL's decoupled

@@ -121,7 +121,7 @@ class StepResult:
     rewards: torch.Tensor  # (N,)
     batch: Batch
     stats: dict  # the update's averages (or skipped_no_signal when no group had signal), and sampler_mismatch
-    times: dict  # seconds: refresh, sample, score, logprob, update (bookkeeping.metrics.Timer)
+    times: dict  # seconds: sample, score, logprob, update (bookkeeping.metrics.Timer)
 
 
 def grpo_step(
@@ -131,7 +131,7 @@ def grpo_step(
     k: int,
     gen: torch.Generator,
     queue: Queue | None,
-    draw: Callable[[int, int], list],
+    draw: Callable[[int, int, int], list],  # draw(k, n, now): n batches from step k on, drawn at step now
     *,
     ignore_eos: bool = False,
 ) -> tuple[StepResult, Queue]:
