@@ -37,10 +37,11 @@ sets (every cell that finished has all its seeds):
 Steps and evaluation: 520 steps per run, 500 held-out problems every 65 steps (8 equal windows). At lag s the
 steps 0, ..., s all train on batches of the starting policy, so at s = 256 the batches sampled after the start
 are those of steps 257 on: 263 of 520, most of the run (the issue's 2 x 256 = 512 steps would give 255 of 512;
-515 is the least that gives most). Cost: one step takes ~0.25 s of one core (sampling 0.04, log alpha's
-forward 0.04, the update 0.12-0.15 with M2PO's pass; measured under load), ~130 s a run, so the 87 runs need
-~100 minutes of two whole cores; the periodic v = 64 block, last in the order, is the first to go when that
-is more than the time there is (results/README.md says what ran).
+515 is the least that gives most). Cost: on a quiet core a run takes ~75 s (0.14 s a step: sampling 0.03,
+log alpha's forward 0.025, the update 0.08; behaviour-lag8, its metrics' t_* fields); the 87 runs took 7541 s as
+two 1-thread workers on a 2-core machine shared with other work (runs 74-454 s each; results/very_stale_study.log),
+from commit 18113a4. A shorter budget drops the periodic v = 64 block first, the last in the order
+(results/README.md says what ran).
 
 Outputs (--out-dir): very_stale.csv (one row per run and eval point: reward, clip_frac, staleness (k minus the
 step whose weights sampled the batch), rho_prime_p99, rho_prime_max, masked_frac (the fraction of loss tokens
@@ -302,7 +303,11 @@ def summary_table(rows: list[dict]) -> str:
             f"| {statistics.fmean(runs[k][-1]['wall_s'] for k in keys):.0f} |"
         )
     lags = sorted({n for _, sch, n in final if sch == "lag" and n > 0})
-    out = ["", f"Holds up to (the largest lag below which every lag of the grid holds; {list(lags)} run):", ""]
+    out = [
+        "",
+        f"Holds up to: the largest lag s at which, and at every smaller lag of the grid ({lags}), it holds (0: none).",
+        "",
+    ]
     out += ["| correction | holds up to lag | verdict at each lag |", "|---|---:|---|"]
     for c in CORRECTIONS:
         mine = [(s, verdicts[c, "lag", s]) for s in lags if (c, "lag", s) in verdicts]
