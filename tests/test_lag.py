@@ -170,10 +170,19 @@ def test_a_queued_batch_holds_the_bytes_the_formula_gives(warm_cache, tmp_path, 
     # Fixed-length completions (ignore_eos): every (N, T) tensor is T = --max-new-tokens wide, the formula's case.
     cfg = resolve(
         Config(
-            steps=4, lag=2, prompts_per_step=3, group_size=4, max_new_tokens=6, alpha_logp_from=alpha_logp_from,
-            warmup_steps=TEST_WARMUP, cache_dir=warm_cache, out=str(tmp_path), progress=False, eval_size=4,
+            steps=4,
+            lag=2,
+            prompts_per_step=3,
+            group_size=4,
+            max_new_tokens=6,
+            alpha_logp_from=alpha_logp_from,
+            warmup_steps=TEST_WARMUP,
+            cache_dir=warm_cache,
+            out=str(tmp_path),
+            progress=False,
+            eval_size=4,
         )
-    )  # fmt: skip
+    )
     rewards = run_rewards(cfg)
     train_set, _ = load_problems(cfg, rewards)
     policy, tok = train.load_policy(cfg, log=lambda m: None)

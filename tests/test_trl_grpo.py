@@ -265,9 +265,14 @@ def test_m2po_masks_the_whole_optimizer_step_as_the_loop_does(policy_dir, tmp_pa
     whole step with corrections.m2po_keep_mask."""
     tau = 0.02
     trainer = make_trainer(
-        policy_dir, tmp_path, offpolicy_steps=2, per_device_train_batch_size=8, gradient_accumulation_steps=2,
-        m2_threshold=tau, mask_zero_std=False,
-    )  # fmt: skip
+        policy_dir,
+        tmp_path,
+        offpolicy_steps=2,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        m2_threshold=tau,
+        mask_zero_std=False,
+    )
     trainer.model.train()
     trainer._prepare_inputs(rows(trainer, 8))  # generates 4 slices; the prepass runs on the first step's two
     step = trainer._buffered_inputs[:2]
@@ -281,8 +286,9 @@ def test_m2po_masks_the_whole_optimizer_step_as_the_loop_does(policy_dir, tmp_pa
     alpha, pi_k, mask, adv = cat("old_per_token_logps"), cat("pi_k_logps"), cat("loss_mask"), cat("advantages")
     keep = corrections.m2po_keep_mask(alpha, pi_k, mask, tau)  # (2n, T) the whole step's
     assert torch.equal(cat("m2po_keep"), keep) and 0 < int((~keep).sum()) < int(mask.sum())
-    per_slice = torch.cat([corrections.m2po_keep_mask(s["old_per_token_logps"], s["pi_k_logps"], s["loss_mask"], tau)
-                           for s in step])  # fmt: skip
+    per_slice = torch.cat(
+        [corrections.m2po_keep_mask(s["old_per_token_logps"], s["pi_k_logps"], s["loss_mask"], tau) for s in step]
+    )
     kept = int((mask.bool() & keep).sum())
     assert step[0]["loss_total"].item() == step[1]["loss_total"].item() == kept
     trainer.current_gradient_accumulation_steps = 2

@@ -431,9 +431,17 @@ def test_masks_equal_objective_policy_loss(mode, which, monkeypatch):
         assert metrics["actor/opsm_masked_frac"] == pytest.approx((mask & ~opsm).sum().item() / mask.sum().item())
     logp = log_prob.clone().requires_grad_(True)
     ref_loss, _ = policy_loss(
-        logp, alpha, old, None, adv, mask, clip_eps=0.2, clip_eps_high=0.28, keep_objective=keep,
+        logp,
+        alpha,
+        old,
+        None,
+        adv,
+        mask,
+        clip_eps=0.2,
+        clip_eps_high=0.28,
+        keep_objective=keep,
         **objective_agg(mode, n, t),
-    )  # fmt: skip
+    )
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-7, atol=1e-9)
     torch.testing.assert_close(grad, logp.grad, rtol=1e-7, atol=1e-9)
