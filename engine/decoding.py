@@ -21,6 +21,7 @@ weight-cast cache (it would freeze the casts of the weights as they were at capt
 replayed token would cast every weight again.
 """
 
+import contextlib
 import sys
 import weakref
 
@@ -64,6 +65,75 @@ def sampling_path(model, fast: bool | None = None) -> str:
     if not ok:
         raise ValueError("static_loop(True) needs a transformers model with sdpa attention and full-attention layers")
     return "static-cache+cuda-graph" if on_cuda and model not in _NO_GRAPH else "static-cache"
+
+
+# ---- grouped-query attention of one query token against the unrepeated cache -----------------------------------
+#
+# With a mask passed, transformers' sdpa_attention_forward before 5.2x (5.17, the GPU image's) repeats each of the
+# H_kv key/value heads to its H / H_kv query heads (repeat_kv) over the whole cache, every layer, every decode step:
+# at Qwen2.5-0.5B's 14 / 2 heads, 7 copies of K and of V a layer, written and read again, more traffic than the
+# attention itself. Newer versions fold the query heads instead (their pack_gqa). Inside `folded_gqa()` every
+# version does: a decode step's query (N, H, 1, D) is read as (N, H_kv, H / H_kv, D), the query heads of one KV
+# head as that many query rows of one head, against the cache as it is, the mask (N, 1, 1, L) broadcast over them;
+# the same sums as the repeated form (tests/test_decode_gqa.py: tokens and log-probs equal, and the bytes a decode
+# step copies, counted by torch's dispatcher, under one layer's K cache a layer).
+_FOLDING = [0]  # > 0 inside folded_gqa(): the wrapper folds; outside it calls transformers' own sdpa
+
+
+def fold_gqa_heads(query, key, value, attention_mask, scaling):
+    """softmax(q k^T scale + mask) v for one query token, q (N, H, 1, D), k and v (N, H_kv, L, D), without
+    repeating k and v: the H / H_kv query heads of each KV head as its query rows. Returns (N, 1, H, D_v), the
+    layout transformers' attention functions return."""
+    n, h, _, d = query.shape
+    q = query.reshape(n, key.shape[1], h // key.shape[1], d)  # (N, H_kv, H / H_kv, D)
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(n, h, 1, value.shape[-1]).transpose(1, 2)  # (N, H_kv, H/H_kv, D_v) -> (N, 1, H, D_v)
+
+
+def foldable(module, query, key, attention_mask, dropout, kwargs) -> bool:
+    """Whether `fold_gqa_heads` computes this call: one query token of grouped heads, a mask shared by the heads and
+    the query (or none), nothing that transformers' sdpa would add (dropout, a position bias, soft-capping, sinks)."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    mask_ok = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1:3] == (1, 1))
+    extras = any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux", "sinks"))
+    return (
+        _FOLDING[0] > 0
+        and groups > 1
+        and query.shape[2] == 1
+        and key.shape[1] * groups == query.shape[1]
+        and not dropout
+        and mask_ok
+        and not extras
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _folding_sdpa(original):
+    def sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+        if foldable(module, query, key, attention_mask, dropout, kwargs):
+            return fold_gqa_heads(query, key, value, attention_mask, scaling), None
+        return original(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+
+    sdpa.folds_gqa = True
+    return sdpa
+
+
+@contextlib.contextmanager
+def folded_gqa():
+    """Within it, transformers' "sdpa" attention of one query token reads the unrepeated K/V cache
+    (`fold_gqa_heads`) under every transformers version; other calls (prompts, training forwards) are its own.
+    The wrapper is put in transformers' attention table once and passes every call through outside this block."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if not getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "folds_gqa", False):
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = _folding_sdpa(ALL_ATTENTION_FUNCTIONS["sdpa"])
+    _FOLDING[0] += 1
+    try:
+        yield
+    finally:
+        _FOLDING[0] -= 1
 
 
 def sample_exponential_race(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -128,7 +198,8 @@ class StaticDecoder:
         # A 4-D mask is used as given by every transformers model (no dict of masks per layer type needed).
         kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **self.kw)
         # tie_weights=False: a head tied to the embedding takes the cast copy, the embedding keeps its own.
-        out = functional_call(model, self.weights, args=(), kwargs=kwargs, tie_weights=False, strict=False)
+        with folded_gqa():  # a decode step's grouped heads read the cache unrepeated
+            out = functional_call(model, self.weights, args=(), kwargs=kwargs, tie_weights=False, strict=False)
         return out.logits[:, -1, :]  # (N, V)
 
     def prefill(self, model, ids: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -344,7 +415,8 @@ def static_loop(fast: bool | None = None):
                 capture_failed(model, e)
                 if state is not None:
                     generator.set_state(state)
-        return sample(model, prompt_ids, prompt_mask, rows, **kw)
+        with folded_gqa():  # the plain loop's decode steps read the cache unrepeated too
+            return sample(model, prompt_ids, prompt_mask, rows, **kw)
 
     return draw
 
