@@ -1,4 +1,4 @@
-"""Group-relative advantages: GRPO's critic-free baseline, and the data shaping of [B].
+"""Group-relative advantages: GRPO's critic-free baseline ([A] eq. 1).
 
 GRPO samples G completions per prompt and scores each one against its own group: the
 group's mean reward is the baseline, the group's standard deviation the scale ([A] eq. 1,
@@ -13,11 +13,8 @@ Groups whose rewards are all equal carry no learning signal (every A_i is 0). Wi
 *and from its normalizer*; otherwise they would dilute the mean of the groups that do carry
 signal ([A] Sec. 5 shows the masking matters).
 
-[B] (Yao et al. 2025) adds "data shaping" on top of the same advantages:
-  - AsymRE: the baseline is shifted down, `mean(r) - shift`, and the advantage is not divided
-    by the standard deviation (`scale_std=False, baseline_shift=shift`);
-  - RED-Drop (`red_drop`): drop surplus negative samples so negatives do not outnumber positives;
-  - RED-Weight (`red_weight`): up-weight high-advantage samples, A <- A * exp(A / tau).
+[B] (Yao et al. 2025) shapes the same advantages (AsymRE, RED-Drop, RED-Weight): those are
+variants/shaping.py's units, around this function.
 
 Shapes: rewards, advantages and masks are (N,) with N = B*G, ordered group-major
 (the G completions of prompt 0, then those of prompt 1, ...).
@@ -37,7 +34,6 @@ def group_advantages(
     eps: float = 1e-6,
     mask_zero_std: bool = True,
     scale_std: bool = True,
-    baseline_shift: float = 0.0,
     keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-normalised advantages and the mask of groups that carry signal.
@@ -47,10 +43,10 @@ def group_advantages(
         group_size: G, completions per prompt.
         eps: added to the variance before the square root.
         mask_zero_std: mark groups whose rewards are all equal as invalid.
-        scale_std: divide by the group's standard deviation (GRPO); False for AsymRE / Dr. GRPO.
-        baseline_shift: subtract this from the baseline (AsymRE's shift; 0 for GRPO).
-        keep: optional (N,) bool mask of samples kept by RED-Drop; dropped samples get
-            advantage 0, are invalid, and do not enter their group's statistics.
+        scale_std: divide by the group's standard deviation (GRPO); False for Dr. GRPO, and [B]'s OPMD
+            and AsymRE (variants/).
+        keep: optional (N,) bool mask of the samples that count (RED-Drop's, variants/shaping.py);
+            the others get advantage 0, are invalid, and do not enter their group's statistics.
 
     Returns:
         advantages: (N,) float32; 0 for invalid or dropped samples.
@@ -67,8 +63,7 @@ def group_advantages(
     n_kept = kept_f.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
     mean = (r * kept_f).sum(dim=1, keepdim=True) / n_kept  # (B, 1) mean_g over kept samples
     var = ((r - mean) ** 2 * kept_f).sum(dim=1, keepdim=True) / n_kept  # (B, 1) sigma_g^2, population variance
-    baseline = mean - baseline_shift  # (B, 1)
-    adv = r - baseline  # (B, G)
+    adv = r - mean  # (B, G)
     if scale_std:
         adv = adv / torch.sqrt(var + eps)  # (B, G)
     # A group is degenerate when all its kept rewards are equal: max == min over kept samples.
@@ -80,37 +75,3 @@ def group_advantages(
         valid = valid & ~zero_std  # (B, G)
     adv = torch.where(valid, adv, torch.zeros_like(adv))  # (B, G)
     return adv.view(-1), valid.view(-1)
-
-
-def red_drop(rewards: torch.Tensor, group_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """RED-Drop of [B]: a keep-mask that drops surplus negatives, at random, per group.
-
-    Within a group, a sample is "positive" if its reward is above the group mean and
-    "negative" if below. When negatives outnumber positives, a random subset of negatives is
-    dropped so that #negatives == #positives; samples at the mean are kept. The caller then
-    recomputes advantages over the kept samples (`group_advantages(..., keep=mask)`).
-
-    Args:
-        rewards: (N,) group-major rewards.
-        group_size: G.
-        generator: the torch generator that draws which negatives to drop.
-
-    Returns:
-        (N,) bool keep-mask.
-    """
-    r = rewards.float().view(-1, group_size)  # (B, G)
-    mean = r.mean(dim=1, keepdim=True)  # (B, 1)
-    keep = torch.ones_like(r, dtype=torch.bool)  # (B, G)
-    for g in range(r.shape[0]):
-        pos = (r[g] > mean[g]).nonzero().flatten()
-        neg = (r[g] < mean[g]).nonzero().flatten()
-        surplus = len(neg) - len(pos)
-        if surplus > 0 and len(pos) > 0:
-            order = torch.randperm(len(neg), generator=generator, device=rewards.device)
-            keep[g, neg[order[:surplus]]] = False
-    return keep.view(-1)
-
-
-def red_weight(advantages: torch.Tensor, tau: float = 1.0) -> torch.Tensor:
-    """RED-Weight of [B]: A <- A * exp(A / tau), emphasising the best samples of each group."""
-    return advantages * torch.exp(advantages / tau)  # (N,)

@@ -8,5 +8,7 @@ resume.py       what a checkpoint holds (`run_state`) and how a resume reads it 
 fingerprints.py what the run was trained on (each reward's source, each local data file), checked on resume
 metrics.py      a step's metrics row, the progress bar, the update's statistics, the phase timers
 evaluation.py   held-out evaluation, and the completions --log-completions shows
+harness.py      the loop's calls between steps: begin (resume or evaluate), attempt, record, end
+diagnostics.py  what a step measures beside its loss: rho' and KL(alpha || pi_k), M2, sampler_mismatch
 failures.py     divergence, Ctrl-C and SIGTERM, out of memory: each ends in one line
 """

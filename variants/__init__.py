@@ -1,9 +1,14 @@
-"""The options beside [A]'s algorithm, chosen by flags; train.py's "options" section is where they enter the step.
+"""The options beside [A]'s algorithm, each a named unit (variants/registry.py), chosen by flags once a run:
 
-    corrections.py   other engines' staleness corrections (AReaL's decoupled clip, TIS, MIS, at token, sequence or
-                     geometric level), as the arguments they change in objective.policy_loss; how far alpha is from
-                     pi_k (the rho' statistics)
-    reinforce.py     [B]'s losses: REC, REC-IS, OPMD
+    registry.py      what a unit is (`Variant`: its hooks on the step's stages), REGISTRY, and the run's `Recipe`
+    shaping.py       [B]'s data shaping and the null control around the advantages: null, red-drop, red-weight,
+                     asymre
+    corrections.py   other engines' staleness corrections around [A]'s surrogate: kl-is, opsm, decoupled, tis,
+                     mis, m2po
+    reinforce.py     [B]'s losses in place of the surrogate: rec, rec-is, opmd
 
-[B]'s data shaping (AsymRE's baseline, RED-Drop, RED-Weight) is part of advantage.py's formula.
+Importing the package registers every unit, in this order: the order their chains run, the first outermost.
 """
+
+from variants import corrections, reinforce, shaping  # noqa: F401  (registers the units)
+from variants.registry import REGISTRY, Recipe, Variant, recipe, register  # noqa: F401

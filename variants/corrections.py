@@ -1,19 +1,19 @@
-"""Other engines' staleness corrections, as arguments of [A]'s surrogate: the surrogate is `objective.policy_loss`'s
-(its docstring states every formula; AReaL's decoupled objective is its clip_center="decoupled"), and this file
-computes what truncated importance sampling (TIS) and masked importance sampling (MIS) add to it, at the token,
-sequence and geometric levels, the two staleness masks the asynchronous trainers ship (M2PO, `m2po_keep_mask`, and
-DeepSeek-V3.2's OPSM, `opsm_keep_mask`), and the statistics of how far the sampler alpha is from pi_k:
+"""Other engines' staleness corrections, each a unit of variants/registry.py around [A]'s surrogate
+(objective.policy_loss), with the functions they compute:
 
-    policy_loss(logp, alpha_logp, pi_k_logp, ref_logp, A, loss_mask, clip_center=c,
-                **correction_args(alpha_logp, pi_k_logp, loss_mask, clip_center=c, is_cap=C, is_mask=M, is_level=L))
-    policy_loss(..., keep=m2po_keep_mask(alpha_logp, pi_k_logp, loss_mask, tau),
-                keep_objective=opsm_keep_mask(alpha_logp, logp, A, loss_mask, delta))
+    kl-is       the KL term weighted by rho = pi_theta / alpha (TRL's use_bias_correction_kl; --kl-importance-weight)
+    opsm        DeepSeek-V3.2's off-policy sequence mask (`opsm_keep_mask`; --opsm-delta)
+    decoupled   AReaL's decoupled objective: PPO's clip on r = pi_theta / pi_k, weighted by rho' (--clip-center
+                decoupled)
+    tis         the decoupled objective with its weight truncated, min(rho^L, C) (`correction_args`; --is-cap)
+    mis         masked importance sampling: the tokens or sequences with rho^L outside [1/M, M] leave (--is-mask)
+    m2po        M2PO's second-moment mask (`m2po_keep_mask`; --m2-threshold)
 
 Names as in objective.py: logp (log pi_theta), pi_k_logp, alpha_logp, ref_logp, each (N, T); rho = pi_theta / alpha,
 rho' = pi_k / alpha, r = pi_theta / pi_k = rho / rho'; rho^L is `level_ratio`'s.
 
 How the engines name these (their old policy is pi_k, vLLM's alpha, their PPO loss times the correction weight
-the decoupled centre; tests/test_sequence_is.py pins or contrasts each):
+the decoupled objective; tests/test_sequence_is.py pins or contrasts each):
     sequence, is_cap=C    TRL 1.16 vllm_importance_sampling_mode="sequence_truncate" (clip_max=C, clip_min=None);
                           verl 0.9 rollout_is="sequence", rollout_is_threshold=C
     sequence, is_mask=M   verl rollout_rs="seq_sum_k1", threshold M. TRL's "sequence_mask" (clip_max=M) is this
@@ -25,9 +25,13 @@ Deviation from AReaL: `is_cap` truncates the weight (TIS: w = min(rho', C)), whe
 zeroes the tokens above the cap. Dropping tokens is `is_mask`'s job, and it drops them from the normaliser too.
 """
 
+from dataclasses import replace
+
 import torch
 
-from objective import CLIP_CENTERS
+from objective import LossInput, aggregate, kl_penalty, masked_mean, neutral_outside
+from variants.registry import Variant, register
+
 
 IS_LEVELS = ("token", "sequence", "geometric")
 
@@ -163,15 +167,13 @@ def correction_args(
     pi_k_logp: torch.Tensor,
     loss_mask: torch.Tensor | None,
     *,
-    clip_center: str,
     is_cap: float | None = None,
     is_mask: float | None = None,
     is_level: str = "token",
 ) -> dict:
-    """objective.policy_loss's (and objective.surrogate's) `weight` and `keep` for TIS and MIS, {"weight": ...,
-    "keep": ...}, each None when not used:
+    """TIS's weight and MIS's kept tokens, {"weight": ..., "keep": ...}, each None when not used:
 
-        weight = min(rho^L, C)                  is_cap = C (TIS): the w_t of clip_center="decoupled", none other
+        weight = min(rho^L, C)                  is_cap = C (TIS): the w_t of the decoupled objective (`TIS`)
         keep   = 1/M <= rho^L <= M, (N, T) bool   is_mask = M (MIS), with every centre
         rho^L = rho'_t                                       is_level="token"
               = R_i = prod_s rho'_s = exp(sum_s log rho'_s)   "sequence"    on every token t of sequence i,
@@ -182,10 +184,6 @@ def correction_args(
     loss_mask counts as rho' = 1, as policy_loss's ratios do there; loss_mask None (token level only): every token
     counts. With is_mask and micro-batches, `total` counts only the kept tokens of the whole step (`mis_keep_mask`).
     """
-    if clip_center not in CLIP_CENTERS:
-        raise ValueError(f"clip_center must be one of {CLIP_CENTERS}, got {clip_center!r}")
-    if is_cap is not None and clip_center != "decoupled":
-        raise ValueError(f"is_cap (TIS) caps the weight w = rho' of clip_center='decoupled'; {clip_center!r} has none")
     if is_cap is not None and not is_cap >= 1.0:  # a cap below 1 would shrink on-policy tokens (rho' = 1) too
         raise ValueError(f"is_cap must be >= 1, got {is_cap}")
     check_is_mask(is_mask)
@@ -202,70 +200,139 @@ def correction_args(
     return {"weight": weight, "keep": keep}
 
 
-def staleness_stats(
-    alpha_logp: torch.Tensor,
-    pi_k_logp: torch.Tensor,
-    loss_mask: torch.Tensor,
-    *,
-    is_cap: float | None = None,
-    is_mask: float | None = None,
-    is_level: str = "token",
-) -> dict:
-    """How far the sampler alpha is from pi_k, as floats over loss_mask's tokens:
+# ---- the units (variants/registry.py), outermost first: kl-is and opsm read the sampler's alpha, which the
+# decoupled objective then replaces by pi_k ----------------------------------------------------------------------
 
-        mismatch_kl_k1   mean_t [ log alpha(y_t) - log pi_k(y_t) ]     KL(alpha || pi_k), k1; y_t ~ alpha
-        mismatch_kl_k3   mean_t [ rho'_t - 1 - log rho'_t ]            the same KL, k3 (>= 0, lower variance)
-        rho_prime_mean, rho_prime_p50, rho_prime_p99, rho_prime_max    of rho'_t = pi_k(y_t) / alpha(y_t)
-        is_capped_frac   the fraction of tokens TIS caps (rho^L > is_cap and kept by MIS); 0 without is_cap
-        is_masked_frac   the fraction of tokens MIS drops (rho^L outside [1/is_mask, is_mask]); 0 without is_mask
 
-    They depend on alpha and pi_k only, not on pi_theta, so a step computes them once, on the whole step: quantiles
-    of micro-batches do not combine (torch's quantiles take at most 2**24 = 16.7M tokens).
+@register("kl-is")
+class KLImportanceWeight(Variant):
+    """The KL term weighted by rho_t = pi_theta / alpha, with its gradient: on alpha's samples rho_t kl_t estimates
+    E_alpha[rho k] = E_pi_theta[k] = KL(pi_theta || pi_ref) for k1 and k3 ([A]'s own term; TRL's
+    use_bias_correction_kl, DeepSeek-V3.2's unbiased KL):
+
+        loss = inner(x, beta = 0) + beta (1 / Z) sum_{t in L} rho_t kl_t
     """
-    check_is_mask(is_mask)
-    log_rho_prime = pi_k_logp.detach() - alpha_logp.detach()  # (N, T)
-    valid = loss_mask > 0  # (N, T)
-    rho_prime = torch.exp(log_rho_prime)  # (N, T)
-    rho_level = rho_prime if is_level == "token" else level_ratio(log_rho_prime, loss_mask, is_level)
-    kept = valid if is_mask is None else valid & mis_band(rho_level, is_mask)  # (N, T)
-    # TIS caps only tokens still in the loss; a token MIS dropped counts as dropped, not capped.
-    capped = kept & (rho_level > is_cap) if is_cap is not None else torch.zeros_like(valid)  # (N, T)
-    # Masked-out tokens become NaN, which nanquantile skips: no boolean indexing, so no device sync.
-    rho_valid = rho_prime.masked_fill(~valid, float("nan")).flatten()  # (N*T,)
-    rho_valid = rho_valid if rho_valid.dtype == torch.float64 else rho_valid.float()  # quantiles need fp32/64
-    q = torch.tensor([0.5, 0.99], dtype=rho_valid.dtype, device=rho_valid.device)  # (2,)
-    p50_p99 = torch.nanquantile(rho_valid, q) if rho_valid.numel() else torch.ones_like(q)  # (2,) linear interp.
-    rho_max = rho_prime.masked_fill(~valid, float("-inf")).amax() if rho_prime.numel() else torch.ones(())
 
-    def valid_sum(x):
-        return torch.where(valid, x, torch.zeros_like(x)).sum()  # where(): an inf outside must not leak in
+    def __init__(self, beta: float, kl_estimator: str):
+        self.beta, self.kl_estimator = beta, kl_estimator
 
-    # k1 and k3 of KL(alpha || pi_k) from tokens drawn from alpha: log(alpha / pi_k) = -log rho', and
-    # pi_k/alpha - 1 - log(pi_k/alpha) = rho' - 1 - log rho' (>= 0).
-    sums = {
-        "tokens": valid.sum(),
-        "kl_k1": valid_sum(-log_rho_prime),
-        "kl_k3": valid_sum(rho_prime - 1.0 - log_rho_prime),
-        "rho_prime": valid_sum(rho_prime),
-        "p50": p50_p99[0],
-        "p99": p50_p99[1],
-        "max": rho_max.to(rho_prime.dtype),
-        "capped": capped.sum(),
-        "masked": (valid & ~kept).sum(),
-    }
-    # One transfer to the host for all of them.
-    s = dict(zip(sums, torch.stack([x.to(rho_prime.dtype) for x in sums.values()]).tolist()))
-    n = s["tokens"]
-    if n == 0:  # no token in the loss: no mismatch to report (rho' = 1, no KL)
-        s.update(kl_k1=0.0, kl_k3=0.0, rho_prime=1.0, p50=1.0, p99=1.0, max=1.0)
-        n = 1
-    return {
-        "mismatch_kl_k1": s["kl_k1"] / n,
-        "mismatch_kl_k3": s["kl_k3"] / n,
-        "rho_prime_mean": s["rho_prime"] / n,
-        "rho_prime_p50": s["p50"],
-        "rho_prime_p99": s["p99"],
-        "rho_prime_max": s["max"],
-        "is_capped_frac": s["capped"] / n,
-        "is_masked_frac": s["masked"] / n,
-    }
+    @classmethod
+    def from_config(cls, cfg):
+        return cls(cfg.beta, cfg.kl_estimator) if cfg.kl_importance_weight else None
+
+    def loss(self, x: LossInput, inner, **settings):
+        loss, stats = inner(x, **(settings | {"beta": 0.0}))
+        if x.ref_logp is None or self.beta == 0.0:
+            return loss, stats
+        alpha_logp, ref_logp = neutral_outside(x.loss_mask, x.logp, x.alpha_logp, x.ref_logp)
+        kl = torch.exp(x.logp - alpha_logp) * kl_penalty(x.logp, ref_logp, self.kl_estimator)  # (N, T) rho_t kl_t
+        loss = loss + self.beta * aggregate(kl, x.loss_mask, settings["agg"], x.total)
+        return loss, stats | {"kl": masked_mean(kl.detach(), x.loss_mask.to(kl.dtype))}
+
+
+@register("opsm")
+class OPSM(Variant):
+    """DeepSeek-V3.2's off-policy sequence mask (`opsm_keep_mask`): a sequence with A < 0 whose mean
+    log alpha - log pi_theta exceeds delta keeps no surrogate term. Its advantage becomes 0, so its o_t is 0 while
+    it stays in Z and keeps its KL term, as TRL's off_policy_mask_threshold does."""
+
+    def __init__(self, delta: float):
+        check_opsm_delta(delta)
+        self.delta = delta
+
+    @classmethod
+    def from_config(cls, cfg):
+        return None if cfg.opsm_delta is None else cls(cfg.opsm_delta)
+
+    def loss(self, x: LossInput, inner, **settings):
+        keep = opsm_keep_mask(x.alpha_logp, x.logp, x.advantages, x.loss_mask, self.delta)  # (N, 1) or (N, T)
+        A = x.advantages if x.advantages.dim() == 2 else x.advantages.unsqueeze(1)  # (N, 1) or (N, T)
+        loss, stats = inner(replace(x, advantages=torch.where(keep, A, torch.zeros_like(A))), **settings)
+        dropped = (~keep).expand_as(x.loss_mask).double()  # (N, T)
+        return loss, stats | {"opsm_masked_frac": masked_mean(dropped, x.loss_mask)}
+
+
+@register("decoupled")
+class Decoupled(Variant):
+    """AReaL's decoupled objective (Fu et al. 2025): the clip's two jobs apart, PPO's clip on r = pi_theta / pi_k
+    (a trust region around pi_k) and the sampler's correction as a separate weight w_t = rho'_t:
+
+        o_t = w_t min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) = min(r_t (w_t A), clip(r_t, ...) (w_t A))
+
+    (w >= 0), which is objective.policy_loss's o_t on the input with alpha <- pi_k (so rho = r and rho' = 1: the
+    interval is [1 - eps_low, 1 + eps_high]) and A <- w A. Wherever rho' > eps_low, [A]'s o_t equals
+    rho' min(r A, clip(r, 1 - eps_low/rho', 1 + eps_high/rho') A): the uncapped decoupled objective with a trust
+    region in r that narrows as rho' grows (docs/design.md derives it)."""
+
+    @classmethod
+    def from_config(cls, cfg):
+        return cls() if cfg.clip_center == "decoupled" and cfg.is_cap is None else None
+
+    def weight(self, x: LossInput) -> torch.Tensor:
+        """w_t (N, T): rho'_t, 1 outside the mask (an inf there must not meet a zero gradient)."""
+        log_rho_prime = torch.where(x.loss_mask > 0, x.pi_k_logp.detach() - x.alpha_logp.detach(), 0.0)
+        return torch.exp(log_rho_prime)  # (N, T)
+
+    def loss(self, x: LossInput, inner, **settings):
+        w = self.weight(x).to(x.logp.dtype)  # (N, T) or (N, 1)
+        A = x.advantages if x.advantages.dim() == 2 else x.advantages.unsqueeze(1)  # (N, 1) or (N, T)
+        x = replace(x, alpha_logp=x.pi_k_logp, advantages=w * A)
+        return inner(x, **(settings | {"clip_center": "alpha"}))
+
+
+@register("tis")
+class TIS(Decoupled):
+    """Truncated importance sampling: the decoupled objective with w = min(rho^L, C) (`correction_args`)."""
+
+    def __init__(self, is_cap: float, is_level: str):
+        self.is_cap, self.is_level = is_cap, is_level
+
+    @classmethod
+    def from_config(cls, cfg):
+        return None if cfg.is_cap is None else cls(cfg.is_cap, cfg.is_level)
+
+    def weight(self, x: LossInput) -> torch.Tensor:
+        w = correction_args(x.alpha_logp, x.pi_k_logp, x.loss_mask, is_cap=self.is_cap, is_level=self.is_level)
+        return torch.where(x.loss_mask > 0, w["weight"], 1.0)  # (N, T)
+
+    def step_stats(self, alpha_logp, pi_k_logp, loss_mask) -> dict:
+        """is_capped_frac: the share of the loss's tokens whose weight the cap truncates (rho^L > C)."""
+        log_rho_prime = torch.where(loss_mask > 0, pi_k_logp - alpha_logp, 0.0)  # (N, T)
+        capped = (level_ratio(log_rho_prime, loss_mask, self.is_level) > self.is_cap).expand_as(loss_mask)
+        return {"is_capped_frac": masked_mean(capped.double(), loss_mask)}
+
+
+@register("mis")
+class MIS(Variant):
+    """Masked importance sampling: the tokens (or whole sequences) with rho^L outside [1/M, M] leave the loss and
+    its normaliser for the whole step (`mis_keep_mask`)."""
+
+    def __init__(self, is_mask: float, is_level: str):
+        check_is_mask(is_mask)
+        self.is_mask, self.is_level = is_mask, is_level
+
+    @classmethod
+    def from_config(cls, cfg):
+        return None if cfg.is_mask is None else cls(cfg.is_mask, cfg.is_level)
+
+    def step_keep(self, alpha_logp, pi_k_logp, loss_mask):
+        keep = mis_keep_mask(alpha_logp, pi_k_logp, self.is_mask, loss_mask=loss_mask, is_level=self.is_level)
+        return keep, {"is_masked_frac": masked_mean((~keep).double(), loss_mask)}
+
+
+@register("m2po")
+class M2PO(Variant):
+    """M2PO (Zheng et al. 2025, AReaL's m2_threshold): the fewest tokens, the largest (log rho')^2 first, leave the
+    whole step so that the kept tokens' mean (log rho')^2 is below tau (`m2po_keep_mask`)."""
+
+    def __init__(self, m2_threshold: float):
+        check_m2_threshold(m2_threshold)
+        self.m2_threshold = m2_threshold
+
+    @classmethod
+    def from_config(cls, cfg):
+        return None if cfg.m2_threshold is None else cls(cfg.m2_threshold)
+
+    def step_keep(self, alpha_logp, pi_k_logp, loss_mask):
+        keep = m2po_keep_mask(alpha_logp, pi_k_logp, loss_mask, self.m2_threshold)  # (N, T)
+        return keep, {"m2po_masked_frac": masked_mean((~keep).double(), loss_mask)}

@@ -3,16 +3,18 @@ algorithm"): REC and REC-IS (REINFORCE with a one-sided clip mask), and OPMD (RE
 the sampler by a squared log-ratio).
 
 Each is two steps, as objective.py's surrogate: a per-token function (`rec_per_token`, `opmd_per_token`) and
-the loss that aggregates it (`rec_loss`, `opmd_loss`) with objective.py's `aggregate` (token-mean, seq-mean or
-constant; micro-batches pass the whole step's `total`). Shapes as in objective.py: log-probs (N, T), a
-`loss_mask` (N, T), advantages (N,) per sequence or (N, T) per token.
+the loss that aggregates it (`rec_loss`, `opmd_loss`) on objective.LossInput with objective.py's `aggregate`
+(token-mean, seq-mean or constant; micro-batches pass the whole step's `total`); the units `rec`, `rec-is` and
+`opmd` put them in place of [A]'s surrogate (variants/registry.py). Shapes as in objective.py: log-probs (N, T),
+a `loss_mask` (N, T), advantages (N,) per sequence or (N, T) per token.
 """
 
 from typing import NamedTuple
 
 import torch
 
-from objective import aggregate, masked_mean, neutral_outside, token_advantages
+from objective import LossInput, aggregate, masked_mean, neutral_outside, token_advantages
+from variants.registry import Variant, register
 
 
 class RecTerms(NamedTuple):
@@ -56,7 +58,7 @@ def rec_per_token(
     """
     eps_low = clip_eps
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    adv = token_advantages(advantages, logp.dtype)  # (N, 1) or (N, T)
+    adv = token_advantages(advantages, torch.ones_like(logp), logp.dtype)  # (N, 1) or (N, T)
     rho = torch.exp(logp.detach() - alpha_logp.detach())  # (N, T) detached rho
     keep_pos = (adv > 0) & (rho <= 1.0 + eps_high)  # (N, T)
     keep_neg = (adv < 0) & (rho >= 1.0 - eps_low)  # (N, T)
@@ -69,19 +71,15 @@ def rec_per_token(
 
 
 def rec_loss(
-    logp: torch.Tensor,
-    alpha_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
+    x: LossInput,
     *,
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
     importance_weight: bool = False,
     agg: str = "token-mean",
-    max_new_tokens: int | None = None,
-    total: float | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """REC / REC-IS of [B] as a loss: - agg_t o_t, with o_t and M_t as `rec_per_token` states them.
+    """REC / REC-IS of [B] as a loss: - (1 / Z) sum_{t in L} o_t, with o_t and M_t as `rec_per_token` states them
+    (x.pi_k_logp and x.ref_logp unused).
 
     The mask drops exactly the tokens that PPO's clip would silence: positive-advantage tokens already made much
     more likely than the sampler made them, and negative ones already made much less likely. Its gradient is
@@ -90,17 +88,17 @@ def rec_loss(
     Returns (loss, stats) with stats clip_low / clip_high (the fraction of tokens masked on each side), rho_mean
     and tokens.
     """
-    (alpha_logp,) = neutral_outside(loss_mask, logp, alpha_logp)
+    (alpha_logp,) = neutral_outside(x.loss_mask, x.logp, x.alpha_logp)
     objective, rho, clip_low, clip_high = rec_per_token(
-        logp,
+        x.logp,
         alpha_logp,
-        advantages,
+        x.advantages,
         clip_eps=clip_eps,
         clip_eps_high=clip_eps_high,
         importance_weight=importance_weight,
     )
-    mask = loss_mask.to(logp.dtype)  # (N, T)
-    loss = -aggregate(objective, loss_mask, agg, max_new_tokens, total)
+    mask = x.loss_mask.to(x.logp.dtype)  # (N, T)
+    loss = -aggregate(objective, x.loss_mask, agg, x.total)
     with torch.no_grad():
         stats = {
             "clip_low": masked_mean(clip_low.to(mask.dtype), mask),
@@ -123,24 +121,14 @@ def opmd_per_token(
 
     Returns, both (N, T): per_token (l_t, with grad) and log_rho (log rho_t = logp_t - alpha_logp_t, with grad).
     """
-    adv = token_advantages(advantages, logp.dtype)  # (N, 1) or (N, T)
+    adv = token_advantages(advantages, torch.ones_like(logp), logp.dtype)  # (N, 1) or (N, T)
     log_rho = logp - alpha_logp.detach()  # (N, T)
     per_token = -adv * logp + 0.5 * tau_reg * log_rho**2  # (N, T)
     return OpmdTerms(per_token, log_rho)
 
 
-def opmd_loss(
-    logp: torch.Tensor,
-    alpha_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    *,
-    tau_reg: float = 0.1,
-    agg: str = "token-mean",
-    max_new_tokens: int | None = None,
-    total: float | None = None,
-) -> tuple[torch.Tensor, dict]:
-    """OPMD of [B] as a loss: agg_t l_t, with l_t as `opmd_per_token` states it.
+def opmd_loss(x: LossInput, *, tau_reg: float = 0.1, agg: str = "token-mean") -> tuple[torch.Tensor, dict]:
+    """OPMD of [B] as a loss: (1 / Z) sum_{t in L} l_t, with l_t as `opmd_per_token` states it.
 
     The caller passes group-mean advantages (r - mean(r), `scale_std=False`), as [B] derives it. The quadratic term
     is the online-mirror-descent proximal penalty: it pulls pi_theta back to the sampler alpha in proportion to how
@@ -148,10 +136,10 @@ def opmd_loss(
 
     Returns (loss, stats) with stats rho_mean, sq_log_ratio (the mean of the squared log-ratio) and tokens.
     """
-    (alpha_logp,) = neutral_outside(loss_mask, logp, alpha_logp)
-    per_token, log_rho = opmd_per_token(logp, alpha_logp, advantages, tau_reg=tau_reg)
-    mask = loss_mask.to(logp.dtype)  # (N, T)
-    loss = aggregate(per_token, loss_mask, agg, max_new_tokens, total)
+    (alpha_logp,) = neutral_outside(x.loss_mask, x.logp, x.alpha_logp)
+    per_token, log_rho = opmd_per_token(x.logp, alpha_logp, x.advantages, tau_reg=tau_reg)
+    mask = x.loss_mask.to(x.logp.dtype)  # (N, T)
+    loss = aggregate(per_token, x.loss_mask, agg, x.total)
     with torch.no_grad():
         stats = {
             "rho_mean": masked_mean(torch.exp(log_rho), mask),
@@ -159,3 +147,49 @@ def opmd_loss(
             "tokens": mask.sum().item(),
         }
     return loss, stats
+
+
+# ---- the units (variants/registry.py): a loss of their own, in place of [A]'s surrogate (--loss) ----------------
+
+
+@register("rec")
+class REC(Variant):
+    """--loss rec: [B]'s REC in place of [A]'s surrogate (`rec_loss`), on GRPO's advantages."""
+
+    importance_weight = False
+
+    def __init__(self, clip_eps: float, clip_eps_high: float | None):
+        self.clip_eps, self.clip_eps_high = clip_eps, clip_eps_high
+
+    @classmethod
+    def from_config(cls, cfg):
+        return cls(cfg.clip_eps, cfg.clip_eps_high) if cfg.loss == cls.name else None
+
+    def loss(self, x: LossInput, inner, **settings):
+        eps = dict(clip_eps=self.clip_eps, clip_eps_high=self.clip_eps_high)
+        return rec_loss(x, importance_weight=self.importance_weight, agg=settings["agg"], **eps)
+
+
+@register("rec-is")
+class RECIS(REC):
+    """--loss rec-is: REC with the detached importance weight rho_t."""
+
+    importance_weight = True
+
+
+@register("opmd")
+class OPMD(Variant):
+    """--loss opmd: [B]'s OPMD in place of [A]'s surrogate (`opmd_loss`), on group-mean advantages r - mean(r)."""
+
+    def __init__(self, tau_reg: float):
+        self.tau_reg = tau_reg
+
+    @classmethod
+    def from_config(cls, cfg):
+        return cls(cfg.tau_reg) if cfg.loss == "opmd" else None
+
+    def advantages(self, rewards, gen, inner, **kw):
+        return inner(rewards, **(kw | {"scale_std": False}))
+
+    def loss(self, x: LossInput, inner, **settings):
+        return opmd_loss(x, tau_reg=self.tau_reg, agg=settings["agg"])

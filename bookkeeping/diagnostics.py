@@ -1,0 +1,64 @@
+"""What a step measures beside its loss: how far the sampler alpha is from pi_k, and whether sampling and
+training see the same model. Neither changes the update."""
+
+import torch
+
+
+def staleness_stats(alpha_logp: torch.Tensor, pi_k_logp: torch.Tensor, loss_mask: torch.Tensor) -> dict:
+    """How far the sampler alpha is from pi_k, as floats over loss_mask's tokens (y_t ~ alpha):
+
+        mismatch_kl_k1   mean_t [ log alpha(y_t) - log pi_k(y_t) ]     KL(alpha || pi_k), k1
+        mismatch_kl_k3   mean_t [ rho'_t - 1 - log rho'_t ]            the same KL, k3 (>= 0, lower variance)
+        m2               mean_t (log rho'_t)^2                         the second moment M2PO bounds (the drift)
+        rho_prime_mean, rho_prime_p50, rho_prime_p99, rho_prime_max    of rho'_t = pi_k(y_t) / alpha(y_t)
+
+    They depend on alpha and pi_k only, not on pi_theta, so a step computes them once, on the whole step: quantiles
+    of micro-batches do not combine (torch's quantiles take at most 2**24 = 16.7M tokens).
+    """
+    log_rho_prime = pi_k_logp.detach() - alpha_logp.detach()  # (N, T)
+    valid = loss_mask > 0  # (N, T)
+    rho_prime = torch.exp(log_rho_prime)  # (N, T)
+    # Masked-out tokens become NaN, which nanquantile skips: no boolean indexing, so no device sync.
+    rho_valid = rho_prime.masked_fill(~valid, float("nan")).flatten()  # (N*T,)
+    rho_valid = rho_valid if rho_valid.dtype == torch.float64 else rho_valid.float()  # quantiles need fp32/64
+    q = torch.tensor([0.5, 0.99], dtype=rho_valid.dtype, device=rho_valid.device)  # (2,)
+    p50_p99 = torch.nanquantile(rho_valid, q) if rho_valid.numel() else torch.ones_like(q)  # (2,) linear interp.
+    rho_max = rho_prime.masked_fill(~valid, float("-inf")).amax() if rho_prime.numel() else torch.ones(())
+
+    def valid_sum(x):
+        return torch.where(valid, x, torch.zeros_like(x)).sum()  # where(): an inf outside must not leak in
+
+    # k1 and k3 of KL(alpha || pi_k) from tokens drawn from alpha: log(alpha / pi_k) = -log rho', and
+    # pi_k/alpha - 1 - log(pi_k/alpha) = rho' - 1 - log rho' (>= 0).
+    sums = {
+        "tokens": valid.sum(),
+        "kl_k1": valid_sum(-log_rho_prime),
+        "kl_k3": valid_sum(rho_prime - 1.0 - log_rho_prime),
+        "m2": valid_sum(log_rho_prime.square()),
+        "rho_prime": valid_sum(rho_prime),
+        "p50": p50_p99[0],
+        "p99": p50_p99[1],
+        "max": rho_max.to(rho_prime.dtype),
+    }
+    # One transfer to the host for all of them.
+    s = dict(zip(sums, torch.stack([x.to(rho_prime.dtype) for x in sums.values()]).tolist()))
+    n = s["tokens"]
+    if n == 0:  # no token in the loss: no mismatch to report (rho' = 1, no KL)
+        s.update(kl_k1=0.0, kl_k3=0.0, m2=0.0, rho_prime=1.0, p50=1.0, p99=1.0, max=1.0)
+        n = 1
+    return {
+        "mismatch_kl_k1": s["kl_k1"] / n,
+        "mismatch_kl_k3": s["kl_k3"] / n,
+        "m2": s["m2"] / n,
+        "rho_prime_mean": s["rho_prime"] / n,
+        "rho_prime_p50": s["p50"],
+        "rho_prime_p99": s["p99"],
+        "rho_prime_max": s["max"],
+    }
+
+
+def sampler_mismatch(sampler_logp: torch.Tensor, forward_logp: torch.Tensor, on: torch.Tensor) -> dict:
+    """{"sampler_mismatch": mean |log alpha while sampling - log alpha of a full forward|} over `on`'s tokens. A
+    large value means sampling and training see different models (the KV cache, the fast path, autocast)."""
+    gap = (sampler_logp - forward_logp).abs() * on  # (N, T)
+    return {"sampler_mismatch": gap.sum().item() / max(on.sum().item(), 1)}
