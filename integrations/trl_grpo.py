@@ -62,7 +62,8 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -223,9 +224,8 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         padded = self.accelerator.gather(self.accelerator.pad_across_processes(mine, dim=0))
         padded = padded.view(counts.numel(), -1)  # (P, the longest)
         everyone = torch.cat([padded[r, :c] for r, c in enumerate(counts.tolist())]).unsqueeze(0)  # (1, all)
-        keep = corrections.m2po_keep_mask(
-            everyone, torch.zeros_like(everyone), torch.ones_like(everyone), self.args.m2_threshold
-        )[0]  # (all,)
+        m2po = corrections.M2PO(self.args.m2_threshold)  # the loop's unit, on every rank's tokens at once
+        keep = m2po.step_keep(everyone, torch.zeros_like(everyone), torch.ones_like(everyone))[0][0]  # (all,)
         start = counts[: self.accelerator.process_index].sum().item()
         keep = keep[start : start + mine.numel()]  # (this rank's,)
         for s in slices:
@@ -281,36 +281,17 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         w = inputs.get("importance_sampling_ratio")
         adv = inputs["advantages"] if w is None else inputs["advantages"].unsqueeze(1) * w  # (n,) or (n, T)
         z = inputs["loss_total"].item() / self.accelerator.num_processes  # Z / P
-        common = dict(agg=LOSS_TYPES[a.loss_type], max_new_tokens=self.max_completion_length, total=z)
-        eps = dict(clip_eps=self.epsilon_low, clip_eps_high=self.epsilon_high)
-        logps = dict(logp=logp, alpha_logp=alpha_logp, advantages=adv, loss_mask=mask)
         m2po_keep = inputs.get("m2po_keep")  # (n, T) M2PO's kept tokens of the whole step, None without it
-        opsm_keep = None  # (n, 1) the sequences whose surrogate OPSM keeps
-        if a.off_policy_mask_threshold is not None:
-            # as stock TRL: by the sampler's log-probs where vLLM recorded them, else log alpha; A before the
-            # vLLM weight (w >= 0 keeps its sign)
-            sampling = inputs.get("sampling_per_token_logps", alpha_logp)
-            opsm_keep = corrections.opsm_keep_mask(
-                sampling, logp, inputs["advantages"], mask, a.off_policy_mask_threshold
-            )
-        if a.policy_loss == "grpo":
-            loss, st = objective.policy_loss(
-                **logps,
-                pi_k_logp=pi_k_logp,
-                ref_logp=inputs.get("ref_per_token_logps"),
-                clip_center=a.clip_center,
-                beta=self.beta,
-                # TRL's use_bias_correction_kl (default True): kl_t * rho_t, rho = pi_theta / alpha with grad
-                kl_importance_weight=a.use_bias_correction_kl,
-                keep=m2po_keep,
-                keep_objective=opsm_keep,
-                **eps,
-                **common,
-            )
-        elif a.policy_loss in ("rec", "rec-is"):
-            loss, st = reinforce.rec_loss(**logps, importance_weight=a.policy_loss == "rec-is", **eps, **common)
-        else:
-            loss, st = reinforce.opmd_loss(**logps, tau_reg=a.tau_reg, **common)
+        x = objective.LossInput(
+            logp=logp,
+            alpha_logp=alpha_logp,
+            pi_k_logp=pi_k_logp,
+            ref_logp=inputs.get("ref_per_token_logps"),
+            advantages=adv,
+            loss_mask=mask if m2po_keep is None else mask * m2po_keep,  # M2PO's dropped tokens leave the loss and Z
+            total=z,
+        )
+        loss, st = self._loss(x, sampling=inputs.get("sampling_per_token_logps"))
         if aux is not None:  # as stock TRL: the MoE router's loss, scaled for accumulation
             loss = loss + self.router_aux_loss_coef * aux / (
                 self.current_gradient_accumulation_steps if mode == "train" else 1
@@ -320,10 +301,11 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         m = mask.float()  # (n, T)
         rho_prime = torch.exp(pi_k_logp - alpha_logp) * m  # (n, T) rho', 0 off the mask
         tok = m.sum()
-        sums = [rho_prime.sum(), tok * st.get("clip_low", 0.0), tok * st.get("clip_high", 0.0), tok * st.get("kl", 0.0)]
+        counted = torch.tensor(float(st.get("tokens", 0.0)), device=tok.device)  # the loss's tokens, less M2PO's drops
+        sums = [rho_prime.sum(), *(counted * st.get(key, 0.0) for key in ("clip_low", "clip_high", "kl"))]
         sums.append((entropy.detach() * m).sum())
-        for dropped in (m2po_keep, opsm_keep):  # the loss's tokens each mask dropped (0 without it)
-            sums.append(torch.zeros_like(tok) if dropped is None else (m * ~dropped).sum())
+        dropped = torch.zeros_like(tok) if m2po_keep is None else (m * ~m2po_keep).sum()  # the tokens M2PO dropped
+        sums += [dropped, counted * st.get("opsm_masked_frac", 0.0)]  # ... and OPSM's
         row = torch.stack([*sums, tok, rho_prime.max()])
         g = self.accelerator.gather(row.unsqueeze(0))  # (P, 9)
         means, seen = (g[:, :7].sum(0) / g[:, 7].sum().clamp(min=1.0)).tolist(), g[:, 7].sum().item() > 0
@@ -334,6 +316,39 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             if logged:
                 self._metrics[mode][key].append(val if seen else float("nan"))
         return loss
+
+    def _loss(self, x: objective.LossInput, sampling) -> tuple[torch.Tensor, dict]:
+        """The loop's loss on one slice: objective.policy_loss through the same variant units train.py's Recipe
+        runs (kl-is for use_bias_correction_kl, opsm for off_policy_mask_threshold), or [B]'s rec / rec-is / opmd.
+
+        OPSM reads, as stock TRL, the sampler's log-probs where vLLM recorded them (`sampling`), else log alpha."""
+        a = self.args
+        settings = dict(
+            clip_eps=self.epsilon_low,
+            clip_eps_high=self.epsilon_high,
+            clip_center=a.clip_center,
+            beta=self.beta,
+            kl_estimator="k3",
+            agg=LOSS_TYPES[a.loss_type],
+        )
+        if a.policy_loss != "grpo":
+            unit = {"rec": reinforce.REC, "rec-is": reinforce.RECIS}.get(a.policy_loss)
+            unit = reinforce.OPMD(a.tau_reg) if unit is None else unit(self.epsilon_low, self.epsilon_high)
+            return unit.loss(x, objective.policy_loss, **settings)
+        inner = objective.policy_loss
+        if a.use_bias_correction_kl:  # kl_t * rho_t, rho = pi_theta / alpha with grad: TRL's coef_1
+            kl_is = corrections.KLImportanceWeight(self.beta, "k3")
+            inner = partial(kl_is.loss, inner=inner)
+        if a.off_policy_mask_threshold is None:
+            return inner(x, **settings)
+        # OPSM's D_i by the sampler's log-probs (stock TRL's), its surrogate by log alpha: the unit sees the first,
+        # and what it passes on gets the second back. A times vLLM's w >= 0 keeps A's sign, so the kept sequences
+        # are stock TRL's (a token with w = 0 adds nothing either way).
+        opsm = corrections.OPSM(a.off_policy_mask_threshold)
+        if sampling is None:
+            return opsm.loss(x, inner=inner, **settings)
+        back = lambda y, **s: inner(replace(y, alpha_logp=x.alpha_logp), **s)
+        return opsm.loss(replace(x, alpha_logp=sampling), inner=back, **settings)
 
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint, plus this rank's buffered generation and micro-step counter (module docstring)."""

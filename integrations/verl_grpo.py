@@ -145,8 +145,9 @@ def _metrics(log_prob, old_log_prob, rho_prime, response_mask, **fractions) -> d
             "actor/rho_prime_mean": verl_F.masked_mean(rho_prime, mask).item(),
             "actor/rho_prime_max": rho_prime[mask].max().item() if mask.any() else 1.0,
         }
-        for name, frac in fractions.items():
-            metrics[f"actor/{name}"] = verl_F.masked_mean(frac.to(rho_prime.dtype), mask).item()
+        for name, frac in fractions.items():  # a bool mask (N, T), or a fraction computed already
+            frac = frac if isinstance(frac, float) else verl_F.masked_mean(frac.to(rho_prime.dtype), mask).item()
+            metrics[f"actor/{name}"] = frac
     return metrics
 
 
@@ -168,27 +169,22 @@ def offpolicy_grpo_loss(
     eps_low, eps_high = _clip_widths(config)
     logp, alpha_logp, pi_k_logp, rho_prime, live = _logps(old_log_prob, log_prob, rollout_is_weights)
     m2_threshold, opsm_delta = _mask_settings()
-    keep, masks = None, {}  # (N, T) the tokens whose surrogate term stays; each mask's dropped tokens
-    if m2_threshold is not None:  # over this call's tokens (deviation 5); log alpha - log pi_k = -log rho'
-        masks["m2po_masked_frac"] = ~corrections.m2po_keep_mask(alpha_logp, pi_k_logp, response_mask, m2_threshold)
-    if opsm_delta is not None:  # by the sampler's log alpha and this forward's pi_theta, detached, as TRL
-        opsm = corrections.opsm_keep_mask(alpha_logp, log_prob, advantages, response_mask, opsm_delta)
-        masks["opsm_masked_frac"] = ~opsm.expand_as(pi_k_logp)
-    for dropped in masks.values():
-        keep = ~dropped if keep is None else keep & ~dropped  # (N, T)
-    o = objective.surrogate(
-        logp,
-        alpha_logp,
-        pi_k_logp,
-        advantages,
-        clip_eps=eps_low,
-        clip_eps_high=eps_high,
-        clip_center="pi_k",
-        keep=keep,
-    )  # (N, T) [A]'s f_eps(rho, rho', A)
-    live = live if keep is None else live & keep  # a dropped token adds 0 and stays in verl's normaliser
-    loss = _aggregate(-o.objective, live, response_mask, loss_agg_mode, config)
-    fractions = dict(pg_clipfrac=o.clip_low | o.clip_high, **masks)
+    x = objective.LossInput(logp, alpha_logp, pi_k_logp, None, advantages, response_mask)
+    fractions = {}  # each mask's dropped tokens, (N, T) bool
+    if m2_threshold is not None:  # the loop's unit, over this call's tokens (deviation 5): a dropped token adds 0
+        kept = corrections.M2PO(m2_threshold).step_keep(alpha_logp, pi_k_logp, response_mask)[0]  # (N, T)
+        live, fractions["m2po_masked_frac"] = live & kept, ~kept  # ... and stays in verl's normaliser
+
+    def verl_surrogate(y: objective.LossInput, **settings):  # [A]'s o_t, aggregated as verl does
+        o = objective.surrogate(y, clip_eps=eps_low, clip_eps_high=eps_high, clip_center="pi_k")  # (N, T)
+        fractions["pg_clipfrac"] = (o.clip_low | o.clip_high) & live  # a dropped token has no gradient to clip
+        return _aggregate(-o.objective, live, response_mask, loss_agg_mode, config), {}
+
+    if opsm_delta is None:
+        loss, _ = verl_surrogate(x)
+    else:  # the loop's unit: a dropped sequence's A is 0, so it adds 0 and stays in verl's normaliser, as TRL's
+        loss, st = corrections.OPSM(opsm_delta).loss(x, inner=verl_surrogate)
+        fractions["opsm_masked_frac"] = st["opsm_masked_frac"]
     return loss, _metrics(log_prob, old_log_prob, rho_prime, response_mask, **fractions)
 
 

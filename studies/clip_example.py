@@ -2,7 +2,7 @@
 
     python -m studies.clip_example --offpolicy-steps 4 --inner-steps 4 --steps 40 --out runs/clip-example
 
-It runs train.py with the flags given (any of them) and watches every loss the run computes (train.loss_of). With
+It runs train.py with the flags given (any of them) and watches every loss the run computes (variants.Recipe.loss). With
 one inner step the gradient is taken where rho = rho', inside [A]'s interval, so the clip never acts; from the
 second inner step of a stale step on, pi_theta has moved away from pi_k and a token can leave its interval. The
 stalest such token is printed as a worked example, with what PPO's interval around 1 would have done to it; then
@@ -19,6 +19,7 @@ import torch
 
 import train
 from objective import clip_interval
+from variants import Recipe
 
 
 def first_clipped_token(cfg, logp, alpha_logp, pi_k_logp, advantages, loss_mask) -> dict | None:
@@ -95,23 +96,27 @@ def explain(x: dict, step: int) -> str:
 
 def main(argv: list[str]) -> int:
     found, calls, counts = {}, {"k": -1}, torch.zeros(4, dtype=torch.float64)
-    real_step, real_loss = train.grpo_step, train.loss_of
+    real_step, real_loss = train.grpo_step, Recipe.loss
 
     def step_spy(cfg, models, tokenizer, k, *a, **kw):
-        calls["k"] = k
+        calls.update(k=k, cfg=cfg)
         return real_step(cfg, models, tokenizer, k, *a, **kw)
 
-    def loss_spy(cfg, logp, alpha_logp, pi_k_logp, ref_logp, advantages, loss_mask, total):
+    def loss_spy(recipe, x):
+        cfg, tensors = calls["cfg"], (x.logp, x.alpha_logp, x.pi_k_logp, x.advantages, x.loss_mask)
         if cfg.loss == "grpo":
-            counts.add_(clip_counts(cfg, logp, alpha_logp, pi_k_logp, advantages, loss_mask))
+            counts.add_(clip_counts(cfg, *tensors))
         if not found:
-            x = first_clipped_token(cfg, logp, alpha_logp, pi_k_logp, advantages, loss_mask)
-            if x is not None:
-                found.update(x, step=calls["k"])
-        return real_loss(cfg, logp, alpha_logp, pi_k_logp, ref_logp, advantages, loss_mask, total)
+            token = first_clipped_token(cfg, *tensors)
+            if token is not None:
+                found.update(token, step=calls["k"])
+        return real_loss(recipe, x)
 
-    train.grpo_step, train.loss_of = step_spy, loss_spy
-    status = train.main(argv)
+    train.grpo_step, Recipe.loss = step_spy, loss_spy
+    try:
+        status = train.main(argv)
+    finally:
+        train.grpo_step, Recipe.loss = real_step, real_loss
     if status != 0:
         return status
     out = Path(argv[argv.index("--out") + 1]) if "--out" in argv else None
