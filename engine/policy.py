@@ -79,6 +79,23 @@ def load_gguf(path) -> tuple[torch.nn.Module, object]:
     return model.eval(), tok
 
 
+def check_tokenizer(model: str, tok) -> None:
+    """A tokenizer that encodes text as no tokens (a model folder with weights and no tokenizer files: transformers
+    builds an empty one from the config) is refused at load, before --overwrite touches anything: every prompt would
+    be 0 tokens, and the run would fail inside its first evaluation."""
+    try:
+        ids = tok("12 + 34 = 46", add_special_tokens=False)["input_ids"]
+    except Exception as e:  # a tokenizer that cannot encode at all
+        ids, why = [], f" ({type(e).__name__})"
+    else:
+        why = ""
+    if not ids:
+        raise ConfigError(
+            f"--model {model}: its tokenizer encodes text as no tokens{why} (no tokenizer files: tokenizer.json, "
+            "vocab.json, tokenizer.model, ...); save the tokenizer into the folder (tokenizer.save_pretrained)"
+        )
+
+
 def load_policy(cfg: Config, log=print):
     """The policy to train and its tokenizer: the built-in tiny one, a GGUF file, or a transformers model.
 
@@ -111,6 +128,8 @@ def load_policy(cfg: Config, log=print):
         except Exception as e:  # transformers raises many types here; all mean "cannot load"
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(f"--model {cfg.model}: cannot be loaded ({first[:200]})") from None
+    if cfg.model != "tiny":
+        check_tokenizer(cfg.model, tok)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # safe: padding is masked explicitly, never inferred from ids
     if tok.eos_token_id is None:
@@ -251,6 +270,15 @@ def sample_rows_fitting(config, length: int, available: int, dtype: torch.dtype,
     return max(1, int(SAMPLE_SHARE * plannable_bytes(available, pending)) // per_row)
 
 
+def balanced_rows(rows: int, fit: int) -> int:
+    """The rows a call holds when `rows` are sampled in as few calls as `fit` rows a call allow, the calls made
+    equal: ceil(rows / ceil(rows / fit)). Equal calls share one static decoder (engine.decoding keeps one per
+    shape, each with its KV cache and graph pool); a last, smaller call would keep a second (engine/memory.py)."""
+    fit = max(1, min(rows, fit))
+    calls = -(-rows // fit)
+    return -(-rows // calls)
+
+
 def largest_divisor_within(n: int, limit: int) -> int:
     """The largest divisor of n that is <= limit, and at least 1."""
     return max((d for d in range(1, n + 1) if n % d == 0 and d <= limit), default=1)
@@ -342,8 +370,9 @@ def auto_micro_batch(model, n: int, length: int, checkpointing: bool, amp: torch
 def auto_sample_rows(model, rows: int, length: int, amp: torch.dtype | None = None) -> int:
     """The default --sample-rows for a cycle of `rows` completions of up to `length` tokens (prompt and completion):
     on CUDA as many as `sample_rows_fitting` the memory the process may use (amp: the autocast dtype, which the KV
-    cache is kept in), at most `rows`, remembered per shape as the micro-batch is; elsewhere `rows`, the cycle in
-    one call ([A]'s point: a stale sampler batches the work of v steps at once)."""
+    cache is kept in), at most `rows`, the calls made equal (`balanced_rows`), remembered per shape as the
+    micro-batch is; elsewhere `rows`, the cycle in one call ([A]'s point: a stale sampler batches the work of v steps
+    at once)."""
     device = next(model.parameters()).device
     config = getattr(model, "config", None)
     if device.type != "cuda" or not hasattr(config, "num_hidden_layers"):
@@ -352,7 +381,7 @@ def auto_sample_rows(model, rows: int, length: int, amp: torch.dtype | None = No
     key = (rows, length, amp)
     if key not in chosen:
         dtype, pending = compute_dtype(model, amp), pending_bytes(model, amp)
-        chosen[key] = min(rows, sample_rows_fitting(config, length, available_bytes(device), dtype, pending))
+        chosen[key] = balanced_rows(rows, sample_rows_fitting(config, length, available_bytes(device), dtype, pending))
     return chosen[key]
 
 
