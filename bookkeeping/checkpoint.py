@@ -2,7 +2,7 @@
 
 A checkpoint holds the policy (its trainable weights: under LoRA the adapter alone), the unfinished refresh
 cycle (its batches, rewards and log alpha, drawn from a policy the current weights cannot reproduce), the
-reference pi_ref (when beta > 0), the optimizer, the step, every random state (Python, torch, the sampling
+reference pi_ref (when beta > 0), the optimizer, the step, every random state (Python, numpy, torch, the sampling
 generator) and the data-order position.
 Resuming from it and running to the end gives bit-for-bit the weights of the uninterrupted run on the
 same machine (tests/test_robust.py shows it, killing a run mid-cycle).
@@ -18,6 +18,7 @@ its own. The older checkpoints, and the previous final/, stay as they were; trai
 line and exits 2.
 """
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -30,6 +31,14 @@ from pathlib import Path
 import torch
 
 NAME = re.compile(r"^step-(\d{8})\.pt$")
+# Every temporary name the run makes starts so (then its pid, then mkstemp's eight random characters): a name no user
+# picks, so that a hidden file of the user's (.config.json.20251206) is never taken for one (bookkeeping/manifest.py).
+TMP_PREFIX = ".tmp-offpolicy-grpo-"
+
+
+def temporary_prefix() -> str:
+    """The prefix of this process's temporary names (mkstemp and mkdtemp add eight random characters)."""
+    return f"{TMP_PREFIX}{os.getpid()}-"
 
 
 def umask_mode(mode: int) -> int:
@@ -64,7 +73,7 @@ def save_checkpoint(out: str, state: dict, step: int, keep: int, manifest=None) 
     d = checkpoint_dir(out)
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"step-{step:08d}.pt"
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".pt")
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=temporary_prefix(), suffix=".pt")
     try:
         with os.fdopen(fd, "wb") as f:
             hashed = Hashing(f)
@@ -139,19 +148,32 @@ def load_policy_state(policy, state: dict) -> None:
 
 
 def rng_state(gen: torch.Generator) -> dict:
-    """Every random state the loop reads: Python's, torch's (CPU and CUDA), the sampling generator."""
+    """Every random state the run seeds (transformers.set_seed: Python's, numpy's, torch's CPU and CUDA) and the
+    sampling generator: a reward function may draw from any of them, and a resumed run must draw what the
+    uninterrupted one drew. numpy's state is kept as plain numbers (torch.load(weights_only=True) reads no arrays)."""
     version, internal, gauss = random.getstate()
     state = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state(), "sampler": gen.get_state()}
+    with contextlib.suppress(ImportError):
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict, gen: torch.Generator) -> None:
+    """rng_state's inverse; a checkpoint from before numpy's state was kept leaves numpy's as it is."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])
     gen.set_state(state["sampler"])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -161,7 +183,7 @@ def atomic_save_pretrained(model, tokenizer, path: Path, listed=None) -> None:
     folder and raises one OSError naming `path` (`write_error`); a previous `path` stays as it was. `listed`, given,
     gets the files' paths relative to path's parent ("final/model.safetensors") before the swap (the manifest)."""
     try:
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=temporary_prefix()))
     except OSError as e:
         raise write_error(e, path, "the final model") from None
     try:
@@ -183,12 +205,15 @@ def atomic_save_pretrained(model, tokenizer, path: Path, listed=None) -> None:
 
 def swap_into_place(tmp: Path, path: Path) -> None:
     """Rename the folder `tmp` to `path`; a previous `path` goes, or comes back if the rename fails."""
+    if path.is_symlink():  # the user's link: never renamed, never followed (the run refuses it before it starts)
+        raise OSError(
+            errno.EEXIST, "a link of the user's is in the run's place (kept; nothing written there)", str(path)
+        )
     if not path.exists():
         os.replace(tmp, path)
         return
-    old = path.with_name(f".{path.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    os.replace(path, old)
+    old = Path(tempfile.mkdtemp(dir=path.parent, prefix=temporary_prefix()))
+    os.replace(path, old)  # onto the empty folder just made: a name of our own, no user's
     try:
         os.replace(tmp, path)
     except BaseException:

@@ -16,19 +16,24 @@ rules. The files:
     curves.png      reward, held-out accuracy, KL, clip fractions, rho' and entropy over steps (with matplotlib)
     tensorboard/    the same scalars as TensorBoard event files (with --report-to tensorboard), completions as text
     wandb/          the same scalars as a Weights & Biases run (with --report-to wandb; WANDB_MODE=offline works)
-Everything is written to a temporary name first and renamed into place, so a crash never
-leaves a half-written file that looks complete; the two .jsonl logs are appended a whole line per write and
-flushed, so a process killed (even with kill -9) leaves every line it wrote complete but possibly the last.
+Everything is written to a temporary name first (`.tmp-offpolicy-grpo-<pid>-xxxxxxxx`, a name no user picks) and
+renamed into place, so a crash never leaves a half-written file that looks complete, and nothing is written through
+a link: a link in a run's place is the user's, named and kept. The two .jsonl logs are appended a whole line per
+write and flushed, so a process killed (even with kill -9) leaves every line it wrote complete but possibly the last.
 Every JSON the run writes goes through `to_json`: a NaN or an infinity is written null, never as the `NaN` or
 `Infinity` tokens that are not JSON.
 A fresh run that stops before its first step (a bad model, bad data, a reward function that raises) leaves no run
 behind (`RunWriter.discard_if_unstarted`): the same command works again, without --overwrite; so does a start
 killed before its first step (kill -9), whose folder holds no checkpoint and no metrics row (`unstarted`).
+--overwrite sets the old run aside (`.offpolicy-grpo-set-aside/`, renames within --out) and deletes it only once the
+new run has written its first metrics row; a failure before then puts it back whole, and so does the next start
+after a kill -9 in between (`recover_set_aside`).
 config.json also records what the run was trained on (bookkeeping/fingerprints.py), which a resume checks.
 """
 
 import configparser
 import contextlib
+import errno
 import fcntl
 import json
 import math
@@ -42,26 +47,48 @@ from pathlib import Path
 
 import torch
 
-from bookkeeping.checkpoint import atomic_save_pretrained, checkpoint_dir, checkpoints, umask_mode
+from bookkeeping.checkpoint import atomic_save_pretrained, checkpoint_dir, checkpoints, temporary_prefix, umask_mode
 from bookkeeping.fingerprints import check_unchanged, fingerprints
-from bookkeeping.manifest import LOCK, Manifest, remove, run_config, sort_out, the_run
+from bookkeeping.manifest import (
+    FOLDERS,
+    LIBRARY_FOLDERS,
+    LOCK,
+    SET_ASIDE,
+    TOP_FILES,
+    Manifest,
+    drop_set_aside,
+    our_lock,
+    put_back,
+    remove,
+    run_config,
+    set_aside,
+    set_aside_record,
+    sort_out,
+    the_run,
+    walk,
+    write_replacing,
+)
 from config import Config, ConfigError
 
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write `text` to `path` via a temporary file and a rename; the file gets the user's umask. A write that fails
-    (a full disk) removes the temporary file and raises an OSError naming `path`; the old file stays."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    (a full disk) removes the temporary file and raises an OSError naming `path`; the old file stays. A link at
+    `path` is the user's: an OSError naming it, the link and what it points to untouched."""
+    write_replacing(path, text)
+
+
+def open_log(path: Path, mode: str):
+    """One of the run's logs opened for appending ("a", "ab") or started empty ("w", "wb"), never through a link (a
+    link there is the user's: an OSError naming it)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_APPEND if "a" in mode else os.O_TRUNC)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, umask_mode(0o666))  # mkstemp makes it 0600
-        os.replace(tmp, path)
-    except BaseException as e:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, OSError) and not e.filename:  # a write to an open file names no file
-            raise OSError(e.errno, e.strerror, str(path)) from None
-        raise
+        fd = os.open(path, flags, 0o666)
+    except OSError as e:
+        if path.is_symlink():
+            raise OSError(errno.EEXIST, "a link of the user's is in the run's place (kept, not followed)", str(path))
+        raise OSError(e.errno, e.strerror, str(path)) from None
+    return os.fdopen(fd, mode, buffering=0) if "b" in mode else os.fdopen(fd, mode)
 
 
 def json_safe(value, digits: int | None = None):
@@ -91,18 +118,29 @@ def shown(paths: list[str]) -> str:
     return ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
 
 
+FOREIGN_NAMED = 1000  # a folder that holds no run: the first of its paths are named, the walk stops there
+
+
 def foreign_files(out: Path) -> list[str]:
     """The paths under `out`, at any depth, that its run did not write (bookkeeping/manifest.py): all of them in a
-    folder that holds no run."""
-    return sort_out(out, the_run(out))[1]
+    folder that holds no run (the first FOREIGN_NAMED)."""
+    run = the_run(out)
+    return sort_out(out, run, limit=None if run is not None else FOREIGN_NAMED)[1]
 
 
 def refuse_foreign(out: Path, foreign: list[str]) -> None:
     if foreign:
+        more = " and more" if len(foreign) >= FOREIGN_NAMED else ""
         raise ConfigError(
-            f"--out {out} holds files that are not a run's ({shown(foreign)}): nothing was deleted; move them, or "
-            "choose another --out"
+            f"--out {out} holds files that are not a run's ({shown(foreign)}{more}): nothing was deleted; move them, "
+            "or choose another --out"
         )
+
+
+def in_the_runs_way(rel: str) -> bool:
+    """A path the run writes or replaces whatever it resumes: its top-level files, the lock, its folders themselves
+    (a link there would be written through), and everything in final/ (replaced whole at the end)."""
+    return rel.rstrip("/") in (LOCK, *TOP_FILES, *FOLDERS) or rel.startswith("final/")
 
 
 DATA_FOLDERS = (("--dataset", "dataset"), ("--eval-files", "eval_files"), ("--data-files", "data_files"))
@@ -164,9 +202,10 @@ def check_fresh(out: Path, overwrite: bool) -> None:
 
 
 def check_resumable(out: Path) -> None:
-    """--resume needs a checkpoint, and nothing of the user's in final/ (which the run's end replaces); without
-    them, a ConfigError that says what to do (as check_fresh says for a new run on the same folder)."""
-    refuse_foreign(out, [p for p in foreign_files(out) if p.startswith("final/")])
+    """--resume needs a checkpoint, and nothing of the user's where the run writes (`in_the_runs_way`: final/, which
+    the run's end replaces, a link or a file of one's own named as a run's file); without them, a ConfigError that
+    says what to do (as check_fresh says for a new run on the same folder)."""
+    refuse_foreign(out, [p for p in foreign_files(out) if in_the_runs_way(p)])
     if checkpoints(str(out)):
         return
     if unstarted(out):
@@ -180,13 +219,28 @@ def check_resumable(out: Path) -> None:
     )
 
 
+def check_lock_file(out: Path) -> None:
+    """A .lock that is not a run's (a link, a folder, a file of one's own that holds more than a pid) is the user's,
+    for a new run, --overwrite and --resume alike: refused, named, untouched (a lock is never taken through it)."""
+    path = out / LOCK
+    if (path.exists() or path.is_symlink()) and not our_lock(path):
+        what = "a link" if path.is_symlink() else "not a run's lock (a run's holds a pid)"
+        raise ConfigError(
+            f"--out {out} holds a {LOCK} that is {what}: it is yours, and nothing was changed; move it, or choose "
+            "another --out"
+        )
+
+
 def take_lock(out: Path):
     """The run folder's lock, taken (flock, released when the file is closed or the process ends); a ConfigError
-    naming the holder's pid when another process has it."""
+    naming the holder's pid when another process has it. The file is opened without following a link and without
+    truncating it: only a lock of ours (empty, or a pid: `check_lock_file`) is rewritten, once it is held."""
+    check_lock_file(out)
     try:
-        lock = open(out / LOCK, "a+")
+        fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     except OSError as e:
-        raise ConfigError(f"--out {out} cannot be written ({e.strerror})") from None
+        raise ConfigError(f"--out {out} cannot be written ({e.strerror}: {out / LOCK})") from None
+    lock = os.fdopen(fd, "r+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -197,14 +251,34 @@ def take_lock(out: Path):
     return lock
 
 
-def claim_run_folder(out: Path, resume: bool, overwrite: bool):
+def write_pid(lock) -> None:
+    """The holder's pid in the lock (a lock of ours: `check_lock_file` passed, and no other process holds it)."""
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+
+
+def claim_run_folder(out: Path, resume: bool, overwrite: bool, log=print):
     """Create (or check) the run folder and take its lock; returns the lock's open file, which holds the lock until
     it is closed or the process ends. Every refusal is a one-line ConfigError, and nothing but the lock is written
-    (and --out made, when it did not exist)."""
+    (and --out made, when it did not exist), except that an old run an --overwrite had set aside, left by a process
+    killed before it could put it back or delete it, is put back or deleted first (`recover_set_aside`)."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder")
+    if out.resolve() == Path(out.resolve().anchor):
+        raise ConfigError(f"--out {out} is the file system's root: a run needs a folder of its own")
+    if out.is_dir():
+        check_lock_file(out)  # first: a .lock of the user's is theirs for every kind of start
+    lock = None
     if (out / LOCK).is_file():  # first: a run being written is "in use", whatever else the folder holds
-        take_lock(out).close()
+        lock = take_lock(out)
+    if set_aside_record(out) is not None:
+        lock = lock or take_lock(out)
+        write_pid(lock)
+        recover_set_aside(out, log)
+    if lock is not None:
+        lock.close()
     if resume:
         check_resumable(out)  # before the model loads: restore() would only find this out after it
     else:
@@ -214,15 +288,42 @@ def claim_run_folder(out: Path, resume: bool, overwrite: bool):
     except OSError as e:
         raise ConfigError(f"--out {out} cannot be written ({e.strerror})") from None
     lock = take_lock(out)
-    lock.seek(0)
-    lock.truncate()
-    lock.write(f"{os.getpid()}\n")
-    lock.flush()
+    write_pid(lock)
     if not resume:
         check_fresh(out, overwrite)  # again, now that no other process can write here
-    # An old run's files (--overwrite, a start that never finished a step) are deleted by RunWriter.open, once every
-    # check that can refuse the new run has passed.
+    # An old run's files (--overwrite, a start that never finished a step) are set aside by RunWriter.open, once every
+    # check that can refuse the new run has passed, and deleted once the new run has written its first metrics row.
     return lock
+
+
+def recover_set_aside(out: Path, log=print) -> None:
+    """An old run set aside by an --overwrite whose process was killed (kill -9, a power cut) before it could put it
+    back or delete it: if the new run never finished a step, its files go and the old run comes back whole; if it
+    did, the old run is deleted, as the --overwrite asked. Either way one line says which was which."""
+    record = set_aside_record(out)
+    aside = out / SET_ASIDE
+    current = the_run(out)
+    if current is not None and not unstarted(out):
+        drop_set_aside(out)
+        log(
+            f"--out {out}: deleted the old run an --overwrite had set aside in {aside} (the new run, pid "
+            f"{record['pid']}, had finished a step before it was stopped)"
+        )
+        return
+    if current is not None:
+        remove(out, [p for p in sort_out(out, current)[0] if p != LOCK], current)
+    in_place = [p for p in record["paths"] if (out / p.rstrip("/")).exists() or (out / p.rstrip("/")).is_symlink()]
+    if in_place:
+        raise ConfigError(
+            f"--out {out} holds an old run an --overwrite set aside in {aside} (its new start, pid {record['pid']}, "
+            f"was stopped before its first step), and files in its place ({shown(in_place)}): nothing was changed; "
+            "move them, and the next start puts the old run back"
+        )
+    put_back(out)
+    log(
+        f"--out {out}: put back the old run an --overwrite had set aside (its new start, pid {record['pid']}, was "
+        "stopped before its first step)"
+    )
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -275,10 +376,12 @@ class RunWriter:
         refuse_out_in_data(cfg)
         check_report_to(cfg)  # its packages and wandb's key: before the model loads, and before an old run goes
         made_lock = not (self.out / LOCK).exists()
-        self._lock = claim_run_folder(self.out, cfg.resume, cfg.overwrite)
+        self._lock = claim_run_folder(self.out, cfg.resume, cfg.overwrite, log=self.log)
         self._made_lock = made_lock
         self._tb = self._wandb = self._completions = None
         self._metrics = None
+        self._set_aside = False  # an old run (--overwrite) set aside by `open`, until the first metrics row
+        self._library_before: dict[str, set] = {}  # what was in tensorboard/ and wandb/ before the libraries wrote
         # The run's manifest: for a resume the run's own (an old run's built from its files' names), which the
         # checkpoints' sha256 come from; a new run's is made by `open`.
         self.manifest = the_run(self.out) if cfg.resume else None
@@ -302,48 +405,93 @@ class RunWriter:
             found = fingerprints(cfg)
             if cfg.resume:
                 check_unchanged(previous.get("fingerprints"), found, self.out / "config.json", self.log)
+                self.check_records()  # metrics.jsonl, completions.jsonl, summary.json: before anything is written
             targets = cfg.report_to.split(",")
             if self.fresh:
                 check_fresh(self.out, cfg.overwrite)  # again: the folder may have changed while the model loaded
-                remove(self.out, [p for p in sort_out(self.out, the_run(self.out))[0] if p != LOCK])
+                old = the_run(self.out)
+                ours, theirs = sort_out(self.out, old)
+                ours = [p for p in ours if p != LOCK]
+                if ours:  # the old run goes aside, whole, until this one has passed its first step
+                    try:
+                        set_aside(self.out, ours, theirs)
+                    except OSError as e:
+                        raise ConfigError(
+                            f"--overwrite: the old run in {self.out} cannot be set aside ({e.strerror}: {e.filename}):"
+                            " nothing of it was changed; make its folder writable, or choose another --out"
+                        ) from None
+                    self._set_aside = True
                 self.manifest = Manifest(self.out)
-            self.manifest.save()  # an old run's, resumed, gets one now
             self.opened = True
+            self.manifest.save()  # an old run's, resumed, gets one now
             self._config, self._extra = asdict(cfg), {"fingerprints": found, **(record or {})}
             self.manifest.add_all(["config.json", "metrics.jsonl"] + ["completions.jsonl"] * bool(cfg.log_completions))
             self._write_config()
             # A fresh run starts fresh logs; a resumed one appends (after truncate_metrics).
-            self._metrics = open(self.out / "metrics.jsonl", "a" if cfg.resume else "w")
+            self._metrics = open_log(self.out / "metrics.jsonl", "a" if cfg.resume else "w")
             if cfg.log_completions:
-                self._completions = open(self.out / "completions.jsonl", "ab" if cfg.resume else "wb", buffering=0)
+                self._completions = open_log(self.out / "completions.jsonl", "ab" if cfg.resume else "wb")
+            for folder in LIBRARY_FOLDERS:  # what is there now is not the library's (this run's is listed already)
+                if folder in targets:
+                    self._library_before[folder] = {rel for rel, _ in walk_folder(self.out, folder)}
             if "tensorboard" in targets:
                 from torch.utils.tensorboard import SummaryWriter
 
-                with self._owning("tensorboard"):  # its event file's name is TensorBoard's: listed once made
-                    self._tb = SummaryWriter(str(self.out / "tensorboard"))
+                self._own_folder("tensorboard")
+                self._tb = SummaryWriter(str(self.out / "tensorboard"))
             if "wandb" in targets:
-                with self._owning("wandb"):  # wandb's run folder, whole, and its links
-                    self._wandb = start_wandb(cfg, self.out, previous.get("wandb_run_id"))
+                self._own_folder("wandb")
+                self._wandb = start_wandb(cfg, self.out, previous.get("wandb_run_id"))
                 self.record({"wandb_run_id": self._wandb.id})
+            self.list_library_files()
         except BaseException:
             self.discard_if_unstarted()
             self.close()
             raise
 
-    @contextlib.contextmanager
-    def _owning(self, folder: str):
-        """List in the manifest what another program makes in `folder` under names of its own: the files, and the
-        folders (whole), that were not there before."""
-        before = set(os.listdir(self.out / folder)) if (self.out / folder).is_dir() else set()
-        try:
-            yield
-        finally:
-            for name in sorted(set(os.listdir(self.out / folder)) - before if (self.out / folder).is_dir() else ()):
-                path = self.out / folder / name
-                if path.is_dir() and not path.is_symlink():
-                    self.manifest.add_folder(f"{folder}/{name}")
-                else:
-                    self.manifest.add(f"{folder}/{name}")
+    def check_records(self) -> None:
+        """A resume reads the run's records before it writes anything: metrics.jsonl and completions.jsonl (each line
+        a JSON object, a torn last one aside) and summary.json (a JSON object); one that is damaged is a ConfigError
+        naming the file and the line, and config.json has not been rewritten."""
+        for name in ("metrics.jsonl", "completions.jsonl"):
+            path = self.out / name
+            if path.is_file() and not path.is_symlink():
+                self._rows_before(path, math.inf, per_row=1 if name == "metrics.jsonl" else 0, quiet=True)
+        path = self.out / "summary.json"
+        if path.is_file() and not path.is_symlink():
+            try:
+                summary = json.loads(path.read_text())
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ConfigError(
+                    f"--resume: {path}: not JSON ({str(e)[:80]}); the run's summary.json is damaged: "
+                    "restore it, or remove it (the run's end writes it again)"
+                ) from None
+            if not isinstance(summary, dict):
+                raise ConfigError(
+                    f"--resume: {path}: a JSON {type(summary).__name__}, not an object; the run's "
+                    "summary.json is damaged: restore it, or remove it (the run's end writes it again)"
+                )
+
+    def _own_folder(self, folder: str) -> None:
+        """tensorboard/ or wandb/, made by the run when it is not there (a link there is refused before the start)."""
+        path = self.out / folder
+        if path.is_symlink():
+            raise OSError(errno.EEXIST, "a link of the user's is in the run's place (kept, not followed)", str(path))
+        if not path.is_dir():
+            path.mkdir()
+            self.manifest.add_found([(folder, "dir")])
+
+    def list_library_files(self) -> None:
+        """List in the manifest what TensorBoard and wandb wrote under names of their own: every file, link and
+        folder in their folders that was not there when the run opened them. Called at the start, at each metrics
+        row and when the run closes; whatever else is in those folders is the user's."""
+        found = []
+        for folder, before in self._library_before.items():
+            for rel, kind in walk_folder(self.out, folder):
+                if rel not in before and not (kind == "file" and rel in self.manifest.files):
+                    found.append((rel, kind))
+        if found and self.manifest is not None:
+            self.manifest.add_found(found)
 
     def end_passed(self) -> None:
         """A resume that runs further steps: summary.json describes an end the run now goes past, so it goes
@@ -365,8 +513,13 @@ class RunWriter:
         tqdm.write(msg)
 
     def metrics(self, row: dict) -> None:
-        self.started = True
         append(self._metrics, self.out / "metrics.jsonl", to_json(row, digits=6) + "\n")
+        self.started = True
+        if self._set_aside:  # the new run has passed its first step: the old run it replaces goes now
+            drop_set_aside(self.out)
+            self._set_aside = False
+        if self._library_before:
+            self.list_library_files()
         scalars = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float)) and v is not None}
         if self._tb is not None:
             for key, value in scalars.items():
@@ -404,7 +557,7 @@ class RunWriter:
         path = self.out / "metrics.jsonl"
         kept = self._rows_before(path, step, per_row=1)
         atomic_write_text(path, "".join(to_json(row) + "\n" for row in kept))
-        self._metrics = open(path, "a")
+        self._metrics = open_log(path, "a")
         path = self.out / "completions.jsonl"
         if path.is_file() and path.stat().st_size:
             if self._completions is not None:
@@ -417,7 +570,7 @@ class RunWriter:
             ]
             atomic_write_text(path, "".join(to_json(row, default=str) + "\n" for row in rows))
             if self._completions is not None:
-                self._completions = open(path, "ab", buffering=0)
+                self._completions = open_log(path, "ab")
 
     def steps_logged(self) -> int:
         """The steps metrics.jsonl holds a row of (the last row's step, plus one); 0 without the file."""
@@ -451,8 +604,9 @@ class RunWriter:
 
     def finish(self, model, tokenizer, summary: dict) -> None:
         self._close_logs()
-        # final/ is replaced whole: a file of the user's put in it since the start stops the run first, named.
-        refuse_foreign(self.out, [p for p in sort_out(self.out, self.manifest)[1] if p.startswith("final/")])
+        # final/ is replaced whole: a file of the user's put in it since the start (or a link in its place) stops the
+        # run first, named.
+        refuse_foreign(self.out, [p for p in sort_out(self.out, self.manifest)[1] if in_the_runs_way(p)])
         atomic_save_pretrained(model, tokenizer, self.out / "final", lambda names: self.manifest.add_all(names))
         self.manifest.add_all(["summary.json", "curves.png"])
         atomic_write_text(self.out / "summary.json", to_json(summary, indent=2) + "\n")
@@ -474,29 +628,45 @@ class RunWriter:
         if self._wandb is not None:
             self._wandb.finish(exit_code=exit_code)
             self._wandb = None
+        if self._library_before and self.manifest is not None:
+            with contextlib.suppress(OSError):  # a full disk: the files stay unlisted, so the user's (named, kept)
+                self.list_library_files()
 
     def __enter__(self) -> "RunWriter":
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
         """However the run ends the folder is free again (`close`); a start that fails before its first step
-        leaves --out unclaimed (`discard_if_unstarted`)."""
+        leaves --out as it found it (`discard_if_unstarted`: an old run set aside by --overwrite comes back whole),
+        and its error is one line, exit 2 (`unstarted_error`)."""
+        unstarted_start = error is not None and self.fresh and not self.started
         try:
             if error is not None:
                 self.discard_if_unstarted()
         finally:
             self.close()
+        if unstarted_start:
+            replaced = unstarted_error(error, self.out, self._put_back)
+            if replaced is not None:
+                raise replaced from None
+
+    _put_back = False  # whether discard_if_unstarted put an old run back
 
     def discard_if_unstarted(self) -> None:
         """A fresh run that has not finished a step yet (nothing to resume) leaves no run behind: the files it wrote
-        go (its manifest's, never anything else), and so does --out if this run made it; the same command then works
-        again without --overwrite. Before `open` it wrote nothing but the lock: an old run it was to replace stays."""
+        go (its manifest's, never anything else), an old run it set aside (--overwrite) comes back whole, and --out
+        goes if this run made it; the same command then works again. Before `open` it wrote nothing but the lock: an
+        old run it was to replace is still in place."""
         if not self.fresh or self.started:
             return
         self._close_logs(exit_code=1)
         if self.opened:
-            remove(self.out, [p for p in sort_out(self.out, self.manifest)[0] if p != LOCK])
-        if self.opened or self._made_lock:
+            remove(self.out, [p for p in sort_out(self.out, self.manifest)[0] if p != LOCK], self.manifest)
+        if self._set_aside:
+            put_back(self.out)
+            self._set_aside, self._put_back = False, True
+            self.log(f"--overwrite: the new run stopped before its first step; the old run is back in {self.out}")
+        elif self.opened or self._made_lock:
             with contextlib.suppress(OSError):
                 (self.out / LOCK).unlink()  # still locked by us: another process that opened it cannot take it
         if self.created:
@@ -507,6 +677,35 @@ class RunWriter:
         """Release the run folder (the process's end releases it too, however it ends); closing twice is harmless."""
         self._close_logs()
         self._lock.close()
+
+
+def unstarted_error(error: BaseException, out: Path, put_back_: bool) -> ConfigError | None:
+    """The one line of a new run that failed before its first step, where the error would not be one already (a
+    model that loads but cannot run raises whatever it meets; a disk error would be followed by where an old run
+    stands): a ConfigError (exit 2) saying what failed and what became of --out. None: the error is one line as it
+    is (a ConfigError, a reward's error, a diverged run, out of memory, Ctrl-C)."""
+    from bookkeeping.failures import Diverged
+
+    if not isinstance(error, Exception) or isinstance(error, (ConfigError, Diverged, torch.OutOfMemoryError)):
+        return None
+    if type(error).__name__ in ("TaskError", "RewardError"):
+        return None
+    text = str(error).strip()
+    reason = text.splitlines()[0][:200] if text else type(error).__name__
+    if not isinstance(error, OSError):
+        reason = f"{type(error).__name__}: {reason}"
+    where = f"the old run is back in {out}, as it was" if put_back_ else f"nothing of it is left in {out}"
+    return ConfigError(f"the new run failed before its first step ({reason}); {where}")
+
+
+def walk_folder(out: Path, folder: str):
+    """(relative path, "file" / "dir" / a link's target) of everything under out/folder."""
+    if (out / folder).is_symlink() or not (out / folder).is_dir():
+        return
+    for rel, is_dir in walk(out / folder):
+        path = out / folder / rel
+        kind = os.readlink(path) if path.is_symlink() else "dir" if is_dir else "file"
+        yield f"{folder}/{rel}", kind
 
 
 def append(f, path: Path, data) -> None:
@@ -647,11 +846,16 @@ def write_curves(out: Path, summary: dict) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = []
+    for line in (out / "metrics.jsonl").read_text(errors="replace").splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            row = json.loads(line)
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                rows.append(row)
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5), constrained_layout=True)
     for ax, (title, ylabel, keys) in zip(axes.flat, PANELS):
         for key in keys:
-            points = [(r["step"] + 1, r[key]) for r in rows if r.get(key) is not None]  # null: not finite
+            points = [(r["step"] + 1, r[key]) for r in rows if number(r.get(key))]  # null: not finite
             if key == "eval_accuracy":
                 # Evaluations run after a step; the start and end values come from summary.json.
                 start = [] if summary["eval_accuracy_start"] is None else [(0, summary["eval_accuracy_start"])]
@@ -669,6 +873,20 @@ def write_curves(out: Path, summary: dict) -> Path:
     )
     fig.suptitle(f"{out.name}: held-out accuracy {start} -> {end}")
     path = out / "curves.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    fd, tmp = tempfile.mkstemp(dir=out, prefix=temporary_prefix(), suffix=".png")  # then renamed: never through a link
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, dpi=100, format="png")
+        os.chmod(tmp, umask_mode(0o666))
+        plt.close(fig)
+        if path.is_symlink():
+            raise OSError(errno.EEXIST, "a link of the user's is in the run's place (kept, not followed)", str(path))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
+
+
+def number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -352,7 +352,9 @@ def test_a_full_disk_during_a_checkpoint_is_one_line(tmp_path, warm_cache, monke
     def full(*a, **kw):
         raise OSError(28, "No space left on device", str(tmp_path / "run" / "checkpoints"))
 
-    monkeypatch.setattr(train, "save_checkpoint", full)
+    import bookkeeping.harness
+
+    monkeypatch.setattr(bookkeeping.harness, "save_checkpoint", full)
     status = train.main([str(a) for a in tiny(warm_cache, tmp_path / "run", 2, "--save-every", "1")])
     err = error_lines(capsys.readouterr().err)
     assert status == 2 and len(err) == 1 and "No space left on device" in err[0], err

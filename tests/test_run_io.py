@@ -233,9 +233,9 @@ def test_what_is_the_runs_the_manifest_the_names_of_an_old_run_and_nothing_else(
         "config.json": json.dumps({"offpolicy_steps": 1, "group_size": 2, "wandb_run_id": "abcd1234"}),
         "metrics.jsonl": "",
         ".lock": "123\n",
-        ".config.json.a1b2c3d4": "",  # our temporary file, left by a process that died writing config.json
+        ".tmp-offpolicy-grpo-4242-a1b2c3d4": "",  # our temporary file, left by a process that died writing one
         "checkpoints/step-00000002.pt": "",
-        "checkpoints/.tmp-zz99__aa.pt": "",
+        "checkpoints/.tmp-offpolicy-grpo-4242-zz99__aa.pt": "",
         "final/model.safetensors": "",
         "final/tokenizer.json": "",
         "tensorboard/events.out.tfevents.1.host.2.0": "",
@@ -243,7 +243,10 @@ def test_what_is_the_runs_the_manifest_the_names_of_an_old_run_and_nothing_else(
         "wandb/debug.log": "",
     }
     users = {
-        ".config.json.orig": "",  # a hidden file of the user's, named like our temporary ones
+        ".config.json.orig": "",  # hidden files of the user's, named like our temporary ones used to be
+        ".config.json.20251206": "",
+        ".metrics.jsonl.backup01": "",
+        ".final.20251206/notes.txt": "",
         "checkpoints/step-2.pt": "",
         "checkpoints/best-so-far.pt": "",
         "final/model.bin": "",
