@@ -4,12 +4,15 @@ Diverged             the steps keep going non-finite, or the weights are: exit s
 Stopped              Ctrl-C (130) or SIGTERM (143); `signals_wait` holds them while a checkpoint is written
 stop_if_diverged     the rule: 3 non-finite steps in a row, or 4 of the last 20
 check_finite_weights weights that are not finite are never saved nor evaluated
-where_the_run_stands the steps done, the newest checkpoint, the command that continues
+stop_if_collapsed    a policy whose held-out accuracy and reward fell to 0, every group equal: exit status 3 too
+where_the_run_stands the steps done, the newest checkpoint, the command that continues (shell-quoted)
 out_of_memory        the line of a run that ran out of device memory: the flags that bound it
 """
 
 import contextlib
 import json
+import math
+import shlex
 import signal
 from pathlib import Path
 
@@ -85,13 +88,50 @@ def stop_if_diverged(nonfinite_steps: list[int], step: int) -> None:
     streak = all(step - j in nonfinite_steps for j in range(NONFINITE_IN_A_ROW))
     if streak or len(recent) >= NONFINITE_IN_WINDOW:
         why = f"{NONFINITE_IN_A_ROW} in a row" if streak else f"{len(recent)} of the last {NONFINITE_WINDOW} steps"
-        raise Diverged(f"step {step}: loss or gradient not finite, {why}; stopping (try a lower --lr)")
+        raise Diverged(f"step {step}: loss or gradient not finite, {why}; stopping ({LEVERS})")
+
+
+# What to try: a --lr too high is the usual cause, but not the only one (at --lr 0 the loss itself can overflow).
+LEVERS = "a --lr too high is the usual cause; else a flag that scales the loss, the logits or the ratio (docs/flags.md)"
 
 
 def check_finite_weights(policy, when: str) -> None:
     """Weights that are not finite are never saved (as a checkpoint or final/) nor evaluated: the run stops."""
     if not all(torch.isfinite(p).all() for p in policy.parameters()):
-        raise Diverged(f"{when}: the policy's weights are not finite; stopping (try a lower --lr)")
+        raise Diverged(f"{when}: the policy's weights are not finite; stopping ({LEVERS})")
+
+
+COLLAPSE_ROWS = 5  # the last metrics rows that must all show the collapse (reward 0, every group equal)
+
+
+def stop_if_collapsed(out, start: dict, end: dict) -> None:
+    """A run whose policy collapsed does not end successfully: held-out accuracy 0 at the end, where it was above 0
+    at the start (or some step's reward was), and the last COLLAPSE_ROWS steps each with reward 0 and every group
+    equal (no signal left to learn from). `Diverged` (exit status 3), before final/ and summary.json are written:
+    the newest checkpoint stays. train.train calls it after the end's evaluation; a run that never learned (0 at
+    the start and at every step) is not a collapse, nor is a run shorter than COLLAPSE_ROWS steps."""
+    if end.get("eval_accuracy") != 0:
+        return
+    rows = []
+    with contextlib.suppress(OSError), open(Path(out) / "metrics.jsonl", errors="replace") as f:
+        for line in f:
+            with contextlib.suppress(json.JSONDecodeError):
+                row = json.loads(line)
+                if isinstance(row, dict):
+                    rows.append(row)
+    rows = [r for r in rows if isinstance(r.get("reward"), (int, float))]
+    last = rows[-COLLAPSE_ROWS:]
+    if len(last) < COLLAPSE_ROWS or not all(r["reward"] == 0 and r.get("zero_std_frac") == 1 for r in last):
+        return
+    had = (start.get("eval_accuracy") or 0) > 0 or any(r["reward"] > 0 for r in rows[:-COLLAPSE_ROWS])
+    if not had:
+        return
+    before = start.get("eval_accuracy")
+    was = f"from {before:.3f} " if isinstance(before, float) and math.isfinite(before) else ""
+    raise Diverged(
+        f"the policy collapsed: held-out accuracy {was}to 0, and reward 0 with every group equal in the last "
+        f"{COLLAPSE_ROWS} steps (no signal left); no final/ written ({LEVERS})"
+    )
 
 
 def where_the_run_stands(out: str, steps: int) -> str:
@@ -111,7 +151,7 @@ def where_the_run_stands(out: str, steps: int) -> str:
         return done
     if ck is None:
         return f"{done}; no checkpoint to resume from (--save-every writes them)"
-    return f"{done}, newest checkpoint {ck.name}; continue with: python train.py --resume --out {out}"
+    return f"{done}, newest checkpoint {ck.name}; continue with: python train.py --resume --out {shlex.quote(str(out))}"
 
 
 def out_of_memory(cfg: Config, e: torch.OutOfMemoryError) -> str:
