@@ -29,6 +29,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from bookkeeping.checkpoint import atomic_save_pretrained
+from config import ConfigError
 from problems.tasks import Problem, arithmetic_problems
 
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
@@ -124,11 +125,12 @@ def load_tiny(cache_dir: str, warmup_steps: int, log=print):
     """
     if warmup_steps == SHIPPED_WARMUP and (SHIPPED / "model.safetensors").is_file():
         log(f"tiny policy: the shipped weights in {SHIPPED.name}/ ({SHIPPED_WARMUP} warm-up steps)")
-        return AutoModelForCausalLM.from_pretrained(SHIPPED), AutoTokenizer.from_pretrained(SHIPPED)
+        fix = f"restore it (git checkout -- {SHIPPED.name}/), or rebuild it: python -m engine.tiny --rebuild"
+        return read_saved(SHIPPED, fix)
     path = cache_path(cache_dir, warmup_steps)
     if (path / "config.json").is_file():
         log(f"tiny policy: loaded from cache {path}")
-        return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+        return read_saved(path, f"delete the folder {path}, and the next run builds it again")
     log(f"tiny policy: building, {warmup_steps} supervised warm-up steps (cached at {path} afterwards)")
     tokenizer = build_tokenizer()
     model = build_model(tokenizer)
@@ -136,6 +138,29 @@ def load_tiny(cache_dir: str, warmup_steps: int, log=print):
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_save_pretrained(model, tokenizer, path)  # an interrupted build leaves no half-written model
     return model, tokenizer
+
+
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+
+
+def read_saved(path: Path, fix: str):
+    """The tiny policy saved in `path`, and its tokenizer. Weights that cannot be read (a file cut short, a git-lfs
+    pointer left by a clone without LFS) are one ConfigError naming the file and what to do, not safetensors'
+    traceback."""
+    weights = path / "model.safetensors"
+    with open(weights, "rb") as f:
+        head = f.read(len(LFS_POINTER))
+    if head == LFS_POINTER:
+        raise ConfigError(
+            f"--model tiny: {weights} is a git-lfs pointer, not the weights (a clone without git-lfs): run "
+            "`git lfs install && git lfs pull` in the checkout"
+        )
+    try:
+        return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # safetensors' SafetensorError, a JSON error, ...: the folder is damaged
+        text = str(e).strip()
+        reason = text.splitlines()[0][:160] if text else type(e).__name__
+        raise ConfigError(f"--model tiny: {path} cannot be read ({type(e).__name__}: {reason}); {fix}") from None
 
 
 def rebuild(out: Path = SHIPPED, steps: int = SHIPPED_WARMUP, log=print) -> None:

@@ -296,8 +296,37 @@ ROLES = ("system", "user", "assistant")
 
 
 def first_line(e: BaseException) -> str:
+    """The first line of an error's message; datasets' "An error occurred while generating the dataset" says nothing
+    of why, so the cause it wraps (pyarrow's "CSV parse error: ...") is named after it."""
     text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
+    line = text.splitlines()[0][:200] if text else type(e).__name__
+    cause = e.__cause__ or e.__context__
+    if cause is not None and "error occurred while generating" in line.lower():
+        return f"{line.rstrip('.')}: {first_line(cause)}"
+    return line
+
+
+def refuse_other_split(where: str, name: str, split: str, split_flag: str | None, what: str) -> None:
+    """A data set with one split only ('train': a file, a saved Dataset without splits) has no other: a named split
+    is refused rather than read as the whole set (trained on and evaluated on the same rows)."""
+    if split != "train" and split_flag is not None:
+        raise TaskError(f"{split_flag} {split}: {name} has no such split ({what}: its one split is 'train', all of it)")
+
+
+def refuse_mixed_formats(path: Path, where: str) -> None:
+    """A folder of data files of two formats (a.jsonl and b.csv): datasets would read those of one format only,
+    silently; refused, naming them."""
+    kinds = {}
+    for f in sorted(p for p in path.rglob("*") if p.is_file() and not hidden(p, path)):
+        builder = DATA_SUFFIXES.get(f.suffix.lower())
+        if builder is not None:
+            kinds.setdefault(builder, []).append(f.relative_to(path).as_posix())
+    if len(kinds) > 1:
+        named = "; ".join(f"{b}: {', '.join(files[:3])}" for b, files in sorted(kinds.items()))
+        raise TaskError(
+            f"{where}: holds data files of {len(kinds)} formats ({named}); datasets reads one format only: keep one "
+            "format in the folder"
+        )
 
 
 def read_dataset(name: str, config: str | None, split: str, flag: str, split_flag: str | None = "--split"):
@@ -320,6 +349,7 @@ def read_dataset(name: str, config: str | None, split: str, flag: str, split_fla
                 raise TaskError(f"{where}: unknown file type {path.suffix!r}; use {', '.join(DATA_SUFFIXES)}")
             if path.stat().st_size == 0:
                 raise TaskError(f"{where}: file has no rows")
+            refuse_other_split(where, name, split, split_flag, "a file")
             bars = datasets.is_progress_bar_enabled()
             datasets.disable_progress_bars()  # a local file's "Generating train split" bars are noise
             try:
@@ -337,7 +367,11 @@ def read_dataset(name: str, config: str | None, split: str, flag: str, split_fla
                         raise TaskError(f"{where}: its splits are {splits}, none 'train'; give one split's folder")
                     raise TaskError(f"{split_flag} {split}: {name} has no such split (it has {splits})")
                 ds = ds[split]
+            else:
+                refuse_other_split(where, name, split, split_flag, "a saved Dataset without splits")
             return ds
+        if path.is_dir():
+            refuse_mixed_formats(path, where)
         cache = content_cache(path, where) if path.is_dir() else None  # a folder of data files
         return datasets.load_dataset(name, config, split=split, cache_dir=cache)
     except TaskError:
