@@ -38,7 +38,8 @@ SCRIPT = textwrap.dedent(
     advantages, valid = advantage.group_advantages(rewards, G)
     loss_mask = ro.completion_mask * valid[:, None]
     logp = logprobs.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)
-    loss, stats = objective.policy_loss(logp, ro.sampler_logp, logp.detach(), None, advantages, loss_mask)
+    x = objective.LossInput(logp, ro.sampler_logp, logp.detach(), None, advantages, loss_mask)
+    loss, stats = objective.policy_loss(x)
     loss.backward()
     grad = sum(p.grad.abs().sum().item() for p in model.parameters() if p.grad is not None)
     whole = [p.grad.clone() for p in model.parameters()]
@@ -48,8 +49,9 @@ SCRIPT = textwrap.dedent(
     for rows in (slice(0, 3), slice(3, None)):
         ids, att, cm = ro.input_ids[rows], ro.attention_mask[rows], ro.completion_mask[rows]
         logp_mb = logprobs.token_logprobs(model, ids, att, cm, 1.0)
-        objective.policy_loss(logp_mb, ro.sampler_logp[rows], logp_mb.detach(), None, advantages[rows], loss_mask[rows],
-                              total=total)[0].backward()
+        x = objective.LossInput(logp_mb, ro.sampler_logp[rows], logp_mb.detach(), None, advantages[rows],
+                                loss_mask[rows], total=total)
+        objective.policy_loss(x)[0].backward()
     micro = max((a - p.grad).abs().max().item() for a, p in zip(whole, model.parameters()))
     gap = (logp.detach() - ro.sampler_logp).abs().max().item()
     project = sorted({"logprobs", "rollout", "decoding", "train", "config", "tasks", "reward"} & set(sys.modules))

@@ -34,8 +34,10 @@ def imports(name: str) -> list[tuple[str, list[str]]]:
     [
         ("advantage.py", {"torch"}),
         ("objective.py", {"torch"}),
-        ("variants/corrections.py", {"torch", "objective"}),
-        ("variants/reinforce.py", {"torch", "objective"}),
+        ("variants/registry.py", {"torch", "objective", "advantage"}),
+        ("variants/corrections.py", {"torch", "objective", "variants"}),  # variants.registry: Variant, register
+        ("variants/reinforce.py", {"torch", "objective", "variants"}),
+        ("variants/shaping.py", {"torch", "variants"}),
         ("logprobs.py", {"torch"}),
         ("rollout.py", {"torch", "logprobs", "transformers"}),  # transformers' DynamicCache, in `sample` only
         ("reward.py", set()),  # the numeric verifier: the standard library only, it copies alone

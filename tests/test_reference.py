@@ -21,7 +21,7 @@ from advantage import group_advantages
 from config import Config, resolve
 from engine.policy import load_policy, make_models
 from logprobs import token_logprobs
-from objective import policy_loss
+from objective import LossInput, policy_loss
 from problems.prompts import PromptStream, completion_texts, reward_of
 from problems.tasks import encode_prompts, load_task
 from rollout import generate_batches
@@ -78,22 +78,16 @@ def textbook_step(cfg: Config, policy, opt, ref, tokenizer, k: int, gen, cycle: 
         logp = logp_of(policy, ro)  # (N, T) log pi_theta, with grad
         if i == 0:
             pi_k_logp = logp.detach()
-        loss, _ = policy_loss(
-            logp,
-            alpha_logp,
-            pi_k_logp,
-            ref_logp,
-            advantages,
-            loss_mask,
-            clip_eps=cfg.clip_eps,
-            clip_eps_high=cfg.clip_eps_high,
-            clip_center=cfg.clip_center,
-            beta=cfg.beta,
-            kl_estimator=cfg.kl_estimator,
-            kl_importance_weight=cfg.kl_importance_weight,
-            agg=cfg.agg,
-            max_new_tokens=cfg.max_new_tokens,
-        )
+        x = LossInput(logp, alpha_logp, pi_k_logp, ref_logp, advantages, loss_mask, total=None)
+        settings = dict(clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, clip_center=cfg.clip_center)
+        if not cfg.kl_importance_weight:
+            loss, _ = policy_loss(x, **settings, beta=cfg.beta, kl_estimator=cfg.kl_estimator, agg=cfg.agg)
+        else:  # the KL term weighted by rho = pi_theta / alpha (token-mean): written out here, not the unit's code
+            loss, _ = policy_loss(x, **settings, beta=0.0, agg=cfg.agg)
+            log_ref_ratio = ref_logp - logp  # (N, T)
+            k3 = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # (N, T)
+            rho = torch.exp(logp - alpha_logp)  # (N, T)
+            loss = loss + cfg.beta * (rho * k3 * loss_mask).sum() / loss_mask.sum()
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
