@@ -6,7 +6,7 @@ after Shao et al. 2024):
 
     mean_g    = mean_i r_i                      over the G completions of prompt g (r_i: rewards)
     sigma_g^2 = mean_i (r_i - mean_g)^2         (population variance, not the unbiased one)
-    A_i       = (r_i - mean_g) / sqrt(sigma_g^2 + eps)   (eps = 1e-6, a guard, not the clip's epsilon)
+    A_i       = (r_i - mean_g) / sqrt(sigma_g^2 + guard)   (guard = 1e-6 against a zero std)
 
 Groups whose rewards are all equal carry no learning signal (every A_i is 0). With
 `mask_zero_std` they are marked invalid so that the caller drops their tokens from the loss
@@ -31,7 +31,7 @@ import torch
 def group_advantages(
     rewards: torch.Tensor,
     group_size: int,
-    eps: float = 1e-6,
+    guard: float = 1e-6,
     mask_zero_std: bool = True,
     scale_std: bool = True,
     keep: torch.Tensor | None = None,
@@ -41,7 +41,7 @@ def group_advantages(
     Args:
         rewards: (N,) rewards, group-major, N divisible by `group_size`.
         group_size: G, completions per prompt.
-        eps: added to the variance before the square root.
+        guard: added to the variance before the square root (1e-6; not the clip's eps).
         mask_zero_std: mark groups whose rewards are all equal as invalid.
         scale_std: divide by the group's standard deviation (GRPO); False for Dr. GRPO, and [B]'s OPMD
             and AsymRE (variants/).
@@ -65,7 +65,7 @@ def group_advantages(
     var = ((r - mean) ** 2 * kept_f).sum(dim=1, keepdim=True) / n_kept  # (B, 1) sigma_g^2, population variance
     adv = r - mean  # (B, G)
     if scale_std:
-        adv = adv / torch.sqrt(var + eps)  # (B, G)
+        adv = adv / torch.sqrt(var + guard)  # (B, G)
     # A group is degenerate when all its kept rewards are equal: max == min over kept samples.
     r_max = torch.where(kept, r, torch.full_like(r, -float("inf"))).amax(dim=1, keepdim=True)  # (B, 1)
     r_min = torch.where(kept, r, torch.full_like(r, float("inf"))).amin(dim=1, keepdim=True)  # (B, 1)

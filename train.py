@@ -36,8 +36,8 @@ Deviations from [A]:
      pi_k too, and log alpha is that same forward. (A variant that keeps tokens by pi_k against alpha, MIS or M2PO,
      needs all of pi_k before the first micro-batch of a stale step: there pi_k gets a no-grad pass.)
   2. A step whose batch is missing from the queue (its sampling failed, a checkpoint without one) samples the rest
-     of its cycle, steps k, ..., up to the next multiple of v, or with --lag s steps k, ..., k + s, from pi_theta
-     then.
+     of its refresh period, steps k, ..., up to the next multiple of v, or with --lag s steps k, ..., k + s, from
+     pi_theta then.
   3. A group whose rewards are all equal leaves the loss whole, its KL term included: the KL is averaged over the
      loss's tokens, so beta pulls only on the groups that carry signal (--no-mask-zero-std keeps them in).
   4. Held-out accuracy is greedy (temperature 0), the usual way to report it; training samples at --temperature.
@@ -85,14 +85,14 @@ class Batch:
     completion_mask: torch.Tensor  # (N, T) 1 up to and including EOS
     loss_mask: torch.Tensor  # (N, T) completion tokens of the groups with signal: what the loss averages over
     advantages: torch.Tensor  # (N,)
-    alpha_logp: torch.Tensor | None  # (N, T) log alpha as the cycle recorded it; None: alpha = pi_k (rollout.Sampled)
+    alpha_logp: torch.Tensor | None  # (N, T) log alpha as recorded when drawn; None: alpha = pi_k (rollout.Sampled)
 
 
 @dataclass
 class StepResult:
     """What `grpo_step` did: the samples, their rewards, the update's statistics, each phase's seconds."""
 
-    refresh: bool  # this step sampled batches ahead (periodic: a refresh; --lag: every step but the last s)
+    drew_ahead: bool  # this step sampled batches (periodic: a refresh; --lag: every step but the last s)
     sampled_at: int  # the step whose weights sampled this step's batch
     rollout: Rollout
     rewards: torch.Tensor  # (N,)
@@ -136,8 +136,7 @@ def grpo_step(
     # schedule names, now. The used batches leave the queue first; a lost queue starts again at k (deviation 2).
     queue = queue.from_step(k) if queue is not None and queue.covers(k) else Queue(k, [])
     ahead = steps_to_draw(cfg, k, queue)
-    refresh = len(ahead) > 0
-    if refresh:
+    if ahead:
         drawn = sample_ahead(cfg, models.policy, tokenizer, k, ahead, draw, gen, timer, ignore_eos=ignore_eos)
         queue = Queue(queue.start, queue.batches + drawn)
     sampled = queue.batches[0]  # step k's
@@ -166,7 +165,7 @@ def grpo_step(
             stats, pi_k_logp = update(cfg, models.policy, models.opt, batch, ref_logp, recipe=recipe)
         else:  # every group had equal rewards: no optimizer step
             stats, pi_k_logp = {"nonfinite_updates": 0, "skipped_no_signal": 1}, None
-    return StepResult(refresh, sampled.sampled_at, ro, rewards, batch, stats, timer.seconds, pi_k_logp), queue
+    return StepResult(len(ahead) > 0, sampled.sampled_at, ro, rewards, batch, stats, timer.seconds, pi_k_logp), queue
 
 
 def steps_to_draw(cfg: Config, k: int, queue: Queue) -> range:
@@ -202,7 +201,7 @@ def sample_ahead(cfg: Config, policy, tokenizer, k: int, ahead: range, draw, gen
     """
     draws = draw(ahead.start, len(ahead), now=k)
     policy.eval()
-    rows = sum(ids.shape[0] for ids, _, _ in draws) * cfg.group_size  # the cycle's completions
+    rows = sum(ids.shape[0] for ids, _, _ in draws) * cfg.group_size  # the completions drawn now
     longest = max(ids.shape[1] for ids, _, _ in draws) + cfg.max_new_tokens  # a row's prompt and completion
     # As few calls as memory allows.
     max_rows = cfg.sample_rows or auto_sample_rows(policy, rows, longest, cfg.autocast_dtype)

@@ -240,7 +240,7 @@ def grpo_masked_advantage(token_level_rewards, response_mask, index, epsilon=1e-
     """[A]'s group-relative advantages (advantage.group_advantages) per group of `index`, as a verl estimator.
 
         mu_g = mean_i r_i,   sigma_g^2 = mean_i (r_i - mu_g)^2   (population variance)
-        A_i = (r_i - mu_g) / sqrt(sigma_g^2 + eps)                (eps inside the square root)
+        A_i = (r_i - mu_g) / sqrt(sigma_g^2 + guard)              (verl's epsilon, the guard, inside the root)
         A_i = 0 for every i of a group whose rewards are all equal (and for a group of one)
 
     r_i is the response's summed token_level_rewards (N, T) -> (N,); `index` (N,) holds each response's
@@ -266,6 +266,6 @@ def grpo_masked_advantage(token_level_rewards, response_mask, index, epsilon=1e-
         adv = torch.zeros_like(scores)  # (N,)
         for size in sizes.unique().tolist():
             rows = order[sizes[group[order]] == size]  # groups of this size, still group-major
-            adv[rows], _ = advantage.group_advantages(scores[rows], size, eps=epsilon, scale_std=scale_std)
+            adv[rows], _ = advantage.group_advantages(scores[rows], size, guard=epsilon, scale_std=scale_std)
         advantages = adv.to(token_level_rewards.dtype).unsqueeze(-1) * response_mask  # (N, T)
     return advantages, advantages

@@ -18,7 +18,7 @@ def test_group_advantages_hand_computed():
     # Group 0: rewards 1,0,0,1 -> mu 0.5, population var 0.25, sigma 0.5 -> A = +-1 (up to eps).
     # Group 1: all equal -> zero advantages, invalid.  Group 2: 1,0,0,0 -> mu .25, var .1875.
     r = torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0])
-    adv, valid = group_advantages(r, 4, eps=0.0)
+    adv, valid = group_advantages(r, 4, guard=0.0)
     s2 = math.sqrt(0.1875)
     expected = [1, -1, -1, 1, 0, 0, 0, 0, 0.75 / s2, -0.25 / s2, -0.25 / s2, -0.25 / s2]
     assert torch.allclose(adv, torch.tensor(expected), atol=1e-6)
@@ -27,7 +27,7 @@ def test_group_advantages_hand_computed():
 
 def test_group_advantages_eps_and_no_mask():
     r = torch.tensor([1.0, 0.0, 0.5, 0.5])
-    adv, valid = group_advantages(r, 2, eps=1e-2, mask_zero_std=False)
+    adv, valid = group_advantages(r, 2, guard=1e-2, mask_zero_std=False)
     assert torch.allclose(adv[:2], torch.tensor([0.5, -0.5]) / math.sqrt(0.25 + 1e-2))
     assert adv[2:].tolist() == [0.0, 0.0] and valid.all()  # all-equal group: kept, zero advantage
 
@@ -38,7 +38,7 @@ def test_asymre_and_red():
     assert torch.allclose(adv, torch.tensor([1 - 0.15, -0.15, -0.15, -0.15]))  # baseline .25 - .1
     keep = red_drop(r, 4, torch.Generator().manual_seed(0))
     assert keep[0] and keep.sum() == 2  # one positive: keep it and exactly one negative
-    adv, valid = group_advantages(r, 4, eps=0.0, keep=keep)
+    adv, valid = group_advantages(r, 4, guard=0.0, keep=keep)
     assert torch.allclose(adv[keep], torch.tensor([1.0, -1.0])) and (adv[~keep] == 0).all() and (valid == keep).all()
     a = torch.tensor([-1.0, 0.0, 2.0])
     assert torch.allclose(red_weight(a, 2.0), a * torch.exp(a / 2.0))

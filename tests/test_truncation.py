@@ -163,7 +163,7 @@ def test_rho_prime_is_one_at_a_refresh_with_top_p_on(model, tok, alpha_logp_from
     mixed = lambda ro: torch.tensor([1.0, 0.0] * 4)  # noqa: E731  every group has signal: the update runs
     draws = [(*encode_prompts(tok, problems, "cpu"), mixed) for _ in range(2)]
     res, _ = train.grpo_step(cfg, models, tok, 0, torch.Generator().manual_seed(0), None, lambda k, n, now: draws[:n])
-    assert res.refresh
+    assert res.drew_ahead
     if alpha_logp_from == "recompute":
         assert res.stats["rho_prime_max"] == 1.0 and res.stats["rho_prime_p99"] == 1.0
     else:
