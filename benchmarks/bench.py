@@ -108,6 +108,7 @@ TRAIN_FLAGS = (
     "max_new_tokens",
     "temperature",
     "sample_rows",
+    "lag",
     "sampling",
     "beta",
     "micro_batch",
@@ -268,7 +269,9 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
     device = torch.device(cfg.device)
     v = cfg.offpolicy_steps
     warmup, steps = -(-args.warmup // v) * v, -(-args.steps // v) * v
-    cfg = dataclasses.replace(cfg, steps=warmup + steps)  # a cycle never samples past the last step
+    # A cycle never samples past the last step; under --lag s the run is s steps longer, so that each timed step
+    # draws its batch of step k + s as a step mid-run does (the warm-up's first step draws s + 1).
+    cfg = dataclasses.replace(cfg, steps=warmup + steps + (cfg.lag or 0))
     models = make_models(cfg, model)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     reward_fn = synthetic_reward(tok, cfg.group_size, torch.Generator().manual_seed(cfg.seed + 1))

@@ -8,6 +8,8 @@
                          (`sample_exponential_race`) rather than multinomial.
     use_static_decoder   whether `static_loop` takes it: on CUDA, for models it fits, once a probe step worked
     sampling_path        the name of the path `static_loop(fast)` would take ("plain", "static-cache", "+cuda-graph")
+    folded_gqa           a decode step's grouped query heads read the K/V cache unrepeated, under every transformers
+                         version (5.17 repeats it under a mask): both loops of static_loop run inside it
 
 tests/test_fastpath.py and tests/test_gpu_path.py check that the two paths agree (greedy tokens identical, sampled
 log-probs against a full forward), on Qwen2, Llama and a PEFT-wrapped model, and under bf16 autocast. Deviation from
