@@ -276,7 +276,13 @@ def claim_run_folder(out: Path, resume: bool, overwrite: bool, log=print):
     if set_aside_record(out) is not None:
         lock = lock or take_lock(out)
         write_pid(lock)
-        recover_set_aside(out, log)
+        if recover_set_aside(out, log) and resume:
+            lock.close()
+            raise ConfigError(
+                f"--resume: {out} held an old run an --overwrite had set aside, now put back (its new start was "
+                "stopped before its first step); this --resume read the stopped start's config.json: run it again "
+                "to continue the old run"
+            )
     if lock is not None:
         lock.close()
     if resume:
@@ -296,10 +302,10 @@ def claim_run_folder(out: Path, resume: bool, overwrite: bool, log=print):
     return lock
 
 
-def recover_set_aside(out: Path, log=print) -> None:
+def recover_set_aside(out: Path, log=print) -> bool:
     """An old run set aside by an --overwrite whose process was killed (kill -9, a power cut) before it could put it
-    back or delete it: if the new run never finished a step, its files go and the old run comes back whole; if it
-    did, the old run is deleted, as the --overwrite asked. Either way one line says which was which."""
+    back or delete it: if the new run never finished a step, its files go and the old run comes back whole (True);
+    if it did, the old run is deleted, as the --overwrite asked (False). Either way one line says which was which."""
     record = set_aside_record(out)
     aside = out / SET_ASIDE
     current = the_run(out)
@@ -309,7 +315,7 @@ def recover_set_aside(out: Path, log=print) -> None:
             f"--out {out}: deleted the old run an --overwrite had set aside in {aside} (the new run, pid "
             f"{record['pid']}, had finished a step before it was stopped)"
         )
-        return
+        return False
     if current is not None:
         remove(out, [p for p in sort_out(out, current)[0] if p != LOCK], current)
     in_place = [p for p in record["paths"] if (out / p.rstrip("/")).exists() or (out / p.rstrip("/")).is_symlink()]
@@ -324,6 +330,7 @@ def recover_set_aside(out: Path, log=print) -> None:
         f"--out {out}: put back the old run an --overwrite had set aside (its new start, pid {record['pid']}, was "
         "stopped before its first step)"
     )
+    return True
 
 
 def peak_memory_gb(device: torch.device) -> float:
