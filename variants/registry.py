@@ -103,8 +103,12 @@ class Recipe:
         return chain(self.variants, "loss", policy_loss)(x, **self.settings)
 
     def step_stats(self, alpha_logp, pi_k_logp, loss_mask) -> dict:
-        stats = {}
-        for v in self.variants:
+        """Every variant's `step_stats`, over the tokens the step's loss counts: loss_mask less those `step_keep`
+        drops (a token MIS drops is dropped, not also capped by TIS)."""
+        stats, measuring = {}, [v for v in self.variants if overrides(v, "step_stats")]
+        if measuring and self.keeps_tokens:
+            loss_mask = loss_mask * self.step_keep(alpha_logp, pi_k_logp, loss_mask)[0]  # (N, T)
+        for v in measuring:
             stats |= v.step_stats(alpha_logp, pi_k_logp, loss_mask)
         return stats
 
