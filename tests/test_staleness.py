@@ -1,6 +1,7 @@
-"""The staleness corrections of objective.policy_loss (with corrections.correction_args) against plain Python
-loops, hand-computed cases and identities: AReaL's decoupled objective, truncated (TIS) and masked (MIS) sampler
-weights, the k1 / k2 / k3 KL estimators, the sampler-mismatch statistics, and [A]'s current-centred clip as a
+"""The staleness corrections, the units variants.recipe builds from a run's flags (variants/corrections.py: the
+Decoupled objective of AReaL, TIS's truncated and MIS's masked sampler weights, kl-is) around objective.policy_loss,
+against plain Python loops, hand-computed cases and identities; the k1 / k2 / k3 KL estimators, the sampler-mismatch
+statistics (bookkeeping.diagnostics.staleness_stats, the units' step figures), and [A]'s current-centred clip as a
 decoupled objective."""
 
 import math
@@ -8,27 +9,45 @@ import math
 import pytest
 import torch
 
-from objective import aggregation_total, kl_penalty, policy_loss
-from variants.corrections import correction_args, mis_keep_mask, staleness_stats
+import variants
+from bookkeeping.diagnostics import staleness_stats
+from config import Config, ConfigError, resolve, validate
+from objective import LossInput, aggregation_total, kl_penalty
+from variants.corrections import mis_keep_mask
 from variants.reinforce import rec_loss
 
 EPS_LO, EPS_HI, MAX_NEW = 0.2, 0.28, 7
 
 
-def corrected_loss(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, *, clip_center="pi_k", **kw):
-    """objective.policy_loss with TIS / MIS, as the training step calls it: **correction_args(...) for is_cap,
-    is_mask and is_level (also used by test_sequence_is.py and test_review.py)."""
-    chosen = {k: kw.pop(k) for k in ("is_cap", "is_mask", "is_level") if k in kw}
-    extra = correction_args(alpha_logp, pi_k_logp, mask, clip_center=clip_center, **chosen)
-    return policy_loss(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, clip_center=clip_center, **extra, **kw)
+def corrected_loss(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, *, max_new_tokens=None, total=None, **flags):
+    """The loss train.update computes for a run with these flags (config.Config's fields), on one batch: the units
+    variants.recipe builds; the tokens their `step_keep` drops (MIS, M2PO) leave the loss mask and its normaliser Z
+    (total None: this batch's as the whole step's; also used by test_sequence_is.py, test_m2po_opsm.py and
+    test_review.py)."""
+    recipe = variants.recipe(Config(**flags))
+    keep, _ = recipe.step_keep(alpha_logp, pi_k_logp, mask)  # (N, T) bool
+    kept = mask * keep  # (N, T)
+    if total is None:
+        total = aggregation_total(kept, recipe.settings["agg"], max_new_tokens)
+    return recipe.loss(LossInput(logp, alpha_logp, pi_k_logp, ref_logp, adv, kept, total))
+
+
+def step_figures(alpha_logp, pi_k_logp, mask, **flags):
+    """The whole step's figures of a run with these flags, as train.update gathers them: staleness_stats, the units'
+    `step_keep` figures (is_masked_frac, m2po_masked_frac) and their `step_stats` (is_capped_frac)."""
+    recipe = variants.recipe(Config(**flags))
+    kept = recipe.step_keep(alpha_logp, pi_k_logp, mask)[1]
+    return staleness_stats(alpha_logp, pi_k_logp, mask) | kept | recipe.step_stats(alpha_logp, pi_k_logp, mask)
 
 
 def loop_loss(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, *, center, agg, beta, kl_estimator, is_cap, is_mask):
-    """The objective of policy_loss's docstring, token by token in Python floats.
+    """The objective of policy_loss's docstring with the units' corrections, token by token in Python floats.
 
-    Returns (loss, number of valid tokens MIS dropped, number of valid tokens TIS capped)."""
+    Returns (loss, number of valid tokens MIS dropped, number of kept tokens TIS capped, figures over the kept
+    tokens: the fractions of clipped tokens on each side and the mean ratio, rho or, decoupled, r)."""
     n, t = len(logp), len(logp[0])
     seq_terms, all_terms, dropped, capped = [], [], 0, 0
+    clip_low, clip_high, ratios = 0, 0, []
     for i in range(n):
         terms = []
         for j in range(t):
@@ -46,6 +65,7 @@ def loop_loss(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, *, center, agg, 
                 w = rho_p if is_cap is None else min(rho_p, is_cap)
                 capped += is_cap is not None and rho_p > is_cap
                 s = w * min(r * a, min(max(r, 1 - EPS_LO), 1 + EPS_HI) * a)
+                ratio, lo, hi = r, 1 - EPS_LO, 1 + EPS_HI
             else:
                 rho = math.exp(logp[i][j] - alpha_logp[i][j])
                 if center == "pi_k":
@@ -53,6 +73,13 @@ def loop_loss(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, *, center, agg, 
                 else:
                     lo, hi = 1 - EPS_LO, 1 + EPS_HI
                 s = min(rho * a, min(max(rho, lo), hi) * a)
+                ratio = rho
+            # clipped: the ratio left the interval on the side the advantage pushes it towards (no gradient)
+            clip_low, clip_high, ratios = (
+                clip_low + (ratio < lo and a < 0),
+                clip_high + (ratio > hi and a > 0),
+                ratios + [ratio],
+            )
             if ref_logp is not None:
                 d = logp[i][j] - ref_logp[i][j]
                 s -= beta * {"k1": d, "k2": 0.5 * d * d, "k3": math.exp(-d) + d - 1}[kl_estimator]
@@ -66,7 +93,8 @@ def loop_loss(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, *, center, agg, 
         loss = -sum(seq_terms) / max(len(seq_terms), 1)
     else:
         loss = -sum(all_terms) / (n * MAX_NEW)
-    return loss, dropped, capped
+    k = max(len(ratios), 1)
+    return loss, dropped, capped, dict(clip_low=clip_low / k, clip_high=clip_high / k, rho_mean=sum(ratios) / k)
 
 
 def random_batch(seed, n=6, t=5, spread=0.4):
@@ -123,7 +151,7 @@ def test_policy_loss_matches_loop_value_and_gradient(center, seed_c, agg, seed_a
             is_mask=is_mask,
         )
 
-    value, dropped, capped = loop(logp.tolist())
+    value, dropped, capped, figures = loop(logp.tolist())
     assert loss.item() == pytest.approx(value, rel=1e-10, abs=1e-12)
     # Gradient of the loop by central finite differences, token by token.
     h = 1e-6
@@ -135,10 +163,16 @@ def test_policy_loss_matches_loop_value_and_gradient(center, seed_c, agg, seed_a
             fd = (loop(up)[0] - loop(dn)[0]) / (2 * h)
             assert x.grad[i, j].item() == pytest.approx(fd, abs=1e-6), (i, j)
     n_valid = mask.sum().item()
-    assert stats["tokens"] == n_valid
-    mismatch = staleness_stats(alpha_logp, pi_k_logp, mask, is_cap=is_cap, is_mask=is_mask)
-    assert mismatch["is_masked_frac"] == pytest.approx(dropped / n_valid)
-    assert mismatch["is_capped_frac"] == pytest.approx(capped / n_valid)
+    assert stats["tokens"] == n_valid - dropped  # the loss's statistics are over the tokens MIS keeps
+    for key in ("clip_low", "clip_high", "rho_mean"):
+        assert stats[key] == pytest.approx(figures[key], rel=1e-12, abs=1e-15), key
+    mismatch = step_figures(alpha_logp, pi_k_logp, mask, clip_center=center, is_cap=is_cap, is_mask=is_mask)
+    assert mismatch.get("is_masked_frac", 0.0) == pytest.approx(dropped / n_valid)  # of the valid tokens
+    assert ("is_masked_frac" in mismatch) == (is_mask is not None)
+    if is_cap is not None:  # of the tokens the loss keeps: a token MIS dropped is dropped, not capped
+        assert mismatch["is_capped_frac"] == pytest.approx(capped / (n_valid - dropped))
+    else:
+        assert "is_capped_frac" not in mismatch
     # The case exercises what it claims to: MIS drops, TIS caps, the clip acts somewhere.
     assert (dropped > 0) == (is_mask is not None) and (capped > 0) == (is_cap is not None)
     assert stats["clip_low"] + stats["clip_high"] > 0
@@ -169,10 +203,13 @@ def test_mis_drops_tokens_from_the_sum_and_the_normaliser():
         assert (
             corrected_loss(alpha_logp, alpha_logp, pi_k_logp, None, adv, mask, agg="constant", **kw)[0].item() == -2 / 8
         )
-    stats = staleness_stats(alpha_logp, pi_k_logp, mask, is_mask=2.0)
-    assert stats["is_masked_frac"] == 4 / 6 and stats["is_capped_frac"] == 0.0
+    stats = step_figures(alpha_logp, pi_k_logp, mask, is_mask=2.0)
+    assert stats["is_masked_frac"] == 4 / 6 and "is_capped_frac" not in stats  # MIS alone: nothing capped
+    # The loss's statistics count the kept tokens only: 2 of them.
+    assert corrected_loss(alpha_logp, alpha_logp, pi_k_logp, None, adv, mask, is_mask=2.0)[1]["tokens"] == 2
     # Without is_mask every token counts.
-    assert staleness_stats(alpha_logp, pi_k_logp, mask)["is_masked_frac"] == 0.0
+    assert "is_masked_frac" not in step_figures(alpha_logp, pi_k_logp, mask)
+    assert corrected_loss(alpha_logp, alpha_logp, pi_k_logp, None, adv, mask)[1]["tokens"] == 6
 
 
 def test_tis_caps_the_weight_of_the_decoupled_objective():
@@ -188,12 +225,18 @@ def test_tis_caps_the_weight_of_the_decoupled_objective():
         loss.backward()
         torch.testing.assert_close(x.grad, -2.0 * torch.tensor([w], dtype=torch.float64) / 4)
         assert loss.item() == pytest.approx(-2.0 * sum(w) / 4)
-        assert staleness_stats(alpha_logp, pi_k_logp, mask, is_cap=cap)["is_capped_frac"] == (
-            0.0 if cap is None else 0.5
-        )
-    # With MIS as well, a dropped token counts as dropped, not capped: rho' = 8 leaves, rho' = 3 is capped.
-    stats = staleness_stats(alpha_logp, pi_k_logp, mask, is_cap=2.0, is_mask=4.0)
-    assert stats["is_capped_frac"] == 0.25 and stats["is_masked_frac"] == 0.25
+        figures = step_figures(alpha_logp, pi_k_logp, mask, clip_center="decoupled", is_cap=cap)
+        assert figures.get("is_capped_frac") == (None if cap is None else 0.5)  # no TIS: no figure
+    # With MIS as well, a dropped token counts as dropped, not capped: rho' = 8 leaves (1 of 4 valid tokens),
+    # rho' = 3 is capped (1 of the 3 tokens the loss keeps).
+    stats = step_figures(alpha_logp, pi_k_logp, mask, clip_center="decoupled", is_cap=2.0, is_mask=4.0)
+    assert stats["is_capped_frac"] == pytest.approx(1 / 3) and stats["is_masked_frac"] == 0.25
+    x = pi_k_logp.clone().requires_grad_(True)
+    loss, _ = corrected_loss(
+        x, alpha_logp, pi_k_logp, None, adv, mask, clip_center="decoupled", is_cap=2.0, is_mask=4.0
+    )
+    loss.backward()
+    torch.testing.assert_close(x.grad, -2.0 * torch.tensor([[0.5, 1.5, 2.0, 0.0]], dtype=torch.float64) / 3)
 
 
 def test_decoupled_weight_is_a_constant_for_the_gradient():
@@ -298,9 +341,10 @@ def _linear_policy(seed, n=6, t=5, v=7, dim=4):
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "constant"])
-def test_on_policy_all_five_corrections_give_the_reinforce_gradient(agg):
+def test_on_policy_every_correction_gives_the_reinforce_gradient(agg):
     # v = 1, one inner step: alpha = pi_k = pi_theta where the gradient is taken, so rho = rho' = r = 1:
-    # no clip acts, no weight differs from 1, and every correction is group-baseline REINFORCE.
+    # no clip acts, no weight differs from 1, no mask drops a token, and every correction is group-baseline
+    # REINFORCE.
     w, logp_of, adv, mask = _linear_policy(31)
     kw = dict(agg=agg, max_new_tokens=MAX_NEW)
     corrections = {
@@ -312,7 +356,13 @@ def test_on_policy_all_five_corrections_give_the_reinforce_gradient(agg):
         "decoupled+tis": lambda lp: corrected_loss(
             lp, lp.detach(), lp.detach(), None, adv, mask, clip_center="decoupled", is_cap=2.0, **kw
         ),
-        "rec": lambda lp: rec_loss(lp, lp.detach(), adv, mask, **kw),
+        "mis": lambda lp: corrected_loss(lp, lp.detach(), lp.detach(), None, adv, mask, is_mask=1.5, **kw),
+        "m2po": lambda lp: corrected_loss(lp, lp.detach(), lp.detach(), None, adv, mask, m2_threshold=1e-6, **kw),
+        "opsm": lambda lp: corrected_loss(lp, lp.detach(), lp.detach(), None, adv, mask, opsm_delta=0.0, **kw),
+        "rec": lambda lp: rec_loss(
+            LossInput(lp, lp.detach(), lp.detach(), None, adv, mask, aggregation_total(mask, agg, MAX_NEW)), agg=agg
+        ),
+        "rec unit": lambda lp: corrected_loss(lp, lp.detach(), lp.detach(), None, adv, mask, loss="rec", **kw),
     }
     # REINFORCE, - agg(A * logp), written out.
     lp = logp_of(w)
@@ -382,35 +432,39 @@ def test_staleness_stats_hand_computed():
     pi_k_logp = alpha_logp + torch.log(rho_p)
     mask = torch.tensor([[1, 1, 1, 1, 0]])
     vals = [1.0, 2.5, 0.5, 4.0]
-    st = staleness_stats(alpha_logp, pi_k_logp, mask, is_cap=2.0, is_mask=3.0)
+    st = step_figures(alpha_logp, pi_k_logp, mask, clip_center="decoupled", is_cap=2.0, is_mask=3.0)
     assert st["mismatch_kl_k1"] == pytest.approx(sum(-math.log(v) for v in vals) / 4)
     assert st["mismatch_kl_k3"] == pytest.approx(sum(v - 1 - math.log(v) for v in vals) / 4)
     assert st["rho_prime_mean"] == pytest.approx(2.0) and st["rho_prime_max"] == pytest.approx(4.0)
     # Sorted 0.5, 1, 2.5, 4: the median interpolates 1 and 2.5; p99 sits at 0.97 of the way from 2.5 to 4.
     assert st["rho_prime_p50"] == pytest.approx(1.75) and st["rho_prime_p99"] == pytest.approx(2.5 + 0.97 * 1.5)
-    # MIS drops rho' = 4 (outside [1/3, 3]); TIS caps rho' = 2.5 (the dropped 4 is not counted as capped).
-    assert st["is_masked_frac"] == 0.25 and st["is_capped_frac"] == 0.25
+    assert st["m2"] == pytest.approx(sum(math.log(v) ** 2 for v in vals) / 4)  # M2PO's second moment
+    # MIS drops rho' = 4 (outside [1/3, 3]: 1 of 4 valid tokens); TIS caps rho' = 2.5 (1 of the 3 kept tokens: the
+    # dropped 4 is not counted as capped).
+    assert st["is_masked_frac"] == 0.25 and st["is_capped_frac"] == pytest.approx(1 / 3)
     # policy_loss does not compute them (a step does, once): its statistics are pi_theta's.
     _, ps = corrected_loss(
         pi_k_logp, alpha_logp, pi_k_logp, None, torch.ones(1), mask, clip_center="decoupled", is_cap=2.0, is_mask=3.0
     )
     assert set(ps) == {"clip_low", "clip_high", "kl", "rho_mean", "tokens"}
-    # Without a cap or a mask the fractions are 0; a refreshed sampler (pi_k = alpha) shows no mismatch.
-    st = staleness_stats(alpha_logp, pi_k_logp, mask)
-    assert st["is_masked_frac"] == 0.0 and st["is_capped_frac"] == 0.0
-    st = staleness_stats(alpha_logp, alpha_logp, mask, is_mask=3.0)
+    # Without a cap or a mask there are no fractions; a refreshed sampler (pi_k = alpha) shows no mismatch.
+    st = step_figures(alpha_logp, pi_k_logp, mask)
+    assert (
+        "is_masked_frac" not in st and "is_capped_frac" not in st and st == staleness_stats(alpha_logp, pi_k_logp, mask)
+    )
+    st = step_figures(alpha_logp, alpha_logp, mask, clip_center="decoupled", is_cap=2.0, is_mask=3.0)
     assert st["mismatch_kl_k1"] == 0.0 and st["mismatch_kl_k3"] == 0.0 and st["rho_prime_p99"] == 1.0
-    assert st["is_masked_frac"] == 0.0
+    assert st["m2"] == 0.0 and st["is_masked_frac"] == 0.0 and st["is_capped_frac"] == 0.0
 
 
 def test_invalid_arguments_raise():
     logp, alpha_logp, pi_k_logp, _, adv, mask = random_batch(3)
-    for center in ("pi_k", "alpha"):
-        with pytest.raises(ValueError, match="is_cap"):
-            corrected_loss(logp, alpha_logp, pi_k_logp, None, adv, mask, clip_center=center, is_cap=2.0)
-    with pytest.raises(ValueError, match="is_cap"):
+    for center in ("pi_k", "alpha"):  # TIS is the decoupled objective's weight: the flags say so or are refused
+        with pytest.raises(ConfigError, match="--is-cap needs --loss grpo --clip-center decoupled"):
+            validate(resolve(Config(clip_center=center, is_cap=2.0, out="/tmp/unused")))
+    with pytest.raises(ValueError, match="is_cap must be >= 1"):
         corrected_loss(logp, alpha_logp, pi_k_logp, None, adv, mask, clip_center="decoupled", is_cap=0.0)
-    with pytest.raises(ValueError, match="is_mask"):
+    with pytest.raises(ValueError, match="is_mask must be >= 1"):
         corrected_loss(logp, alpha_logp, pi_k_logp, None, adv, mask, is_mask=0.5)
     with pytest.raises(ValueError, match="'centre'"):
         corrected_loss(logp, alpha_logp, pi_k_logp, None, adv, mask, clip_center="centre")
