@@ -1,6 +1,6 @@
-"""The sequence-level staleness corrections (corrections.correction_args, `is_level="sequence"` / `"geometric"`,
-as objective.policy_loss's weight and keep) against a plain Python loop (value and gradient), hand-built overflow
-cases, and the engines they are named after.
+"""The sequence-level staleness corrections (the TIS and MIS units of variants/corrections.py with
+`is_level="sequence"` / `"geometric"`: correction_args's weight, mis_keep_mask's kept sequences) against a plain
+Python loop (value and gradient), hand-built overflow cases, and the engines they are named after.
 
 The engines' settings, with the sources read (TRL 1.16.0 as installed, verl 0.9.1 in .venv-verl):
 - TRL: trl/trainer/grpo_trainer.py, `_generate_and_score_completions` l. 2660-2707 computes the ratio inline:
@@ -27,12 +27,24 @@ import math
 import pytest
 import torch
 
+import variants
+from config import Config, ConfigError, resolve, validate
 from conftest import needs
-from objective import aggregation_total, surrogate
-from test_staleness import corrected_loss
-from variants.corrections import correction_args, mis_keep_mask, staleness_stats
+from objective import LossInput, aggregation_total, surrogate
+from test_staleness import corrected_loss, step_figures
+from variants.corrections import MIS, TIS, correction_args, mis_keep_mask
+from variants.registry import chain
 
 EPS_LO, EPS_HI, MAX_NEW = 0.2, 0.28, 7
+
+
+def unit_terms(x: LossInput, **flags):
+    """The per-token surrogate o_t (N, T) the units of a run with these flags hand objective.policy_loss (the chain
+    of variants.recipe(Config(**flags)) with `surrogate` at its end, for the decoupled weight w_t), on x."""
+    recipe = variants.recipe(Config(**flags))
+    eps = {k: recipe.settings[k] for k in ("clip_eps", "clip_eps_high")}
+    core = lambda y, **settings: (surrogate(y, clip_center=settings["clip_center"], **eps).objective, {})  # noqa: E731
+    return chain(recipe.variants, "loss", core)(x, **recipe.settings)[0]
 
 
 def level_ratio_loop(alpha_logp, pi_k_logp, mask, i, level):
@@ -145,21 +157,23 @@ def test_keep_mask_statistics_and_micro_batches_follow_the_sequence(level):
     logp, alpha_logp, pi_k_logp, ref_logp, adv, mask = batch(seed=5)
     cap, mis = CAP[level], BAND[level]
     keep = mis_keep_mask(alpha_logp, pi_k_logp, mis, loss_mask=mask, is_level=level)  # (N, T)
-    extra = correction_args(
-        alpha_logp, pi_k_logp, mask, clip_center="decoupled", is_cap=cap, is_mask=mis, is_level=level
-    )
+    extra = correction_args(alpha_logp, pi_k_logp, mask, is_cap=cap, is_mask=mis, is_level=level)
     assert keep.shape == mask.shape and torch.equal(keep, extra["keep"])
+    assert torch.equal(MIS(mis, level).step_keep(alpha_logp, pi_k_logp, mask)[0], keep)  # the unit's keep
     valid = [i for i in range(10) if mask[i].any()]
     ratios = {i: level_ratio_loop(alpha_logp.tolist(), pi_k_logp.tolist(), mask.tolist(), i, level) for i in valid}
     for i in valid:  # a whole sequence is kept or dropped
         assert keep[i].all().item() == (1 / mis <= ratios[i] <= mis) and keep[i].all() == keep[i].any()
-    # The fractions count tokens: those of the dropped sequences, and of the kept ones above the cap.
+    # The fractions count tokens: those of the dropped sequences of all valid tokens, and those of the kept ones
+    # above the cap of the tokens the loss keeps (a dropped sequence is dropped, not capped).
     n = mask.sum().item()
     masked = sum(mask[i].sum().item() for i in valid if not 1 / mis <= ratios[i] <= mis)
     capped = sum(mask[i].sum().item() for i in valid if 1 / mis <= ratios[i] <= mis and ratios[i] > cap)
-    st = staleness_stats(alpha_logp, pi_k_logp, mask, is_cap=cap, is_mask=mis, is_level=level)
+    flags = dict(clip_center="decoupled", is_cap=cap, is_mask=mis, is_level=level)
+    st = step_figures(alpha_logp, pi_k_logp, mask, **flags)
     assert masked > 0 and capped > 0
-    assert (st["is_masked_frac"], st["is_capped_frac"]) == pytest.approx((masked / n, capped / n), abs=1e-12)
+    expected = (masked / n, capped / (n - masked))
+    assert (st["is_masked_frac"], st["is_capped_frac"]) == pytest.approx(expected, abs=1e-12)
     # Row micro-batches with the whole step's normaliser add up to the whole step (a sequence's ratio is its own).
     kw = dict(clip_center="decoupled", beta=0.1, is_cap=cap, is_mask=mis, is_level=level)
     for agg in ("token-mean", "seq-mean", "constant"):
@@ -209,27 +223,40 @@ def test_an_overflowing_sequence_ratio_is_masked_or_capped_never_nan():
             kept_tokens = t if mis is not None else 2 * t
             assert x.grad[0].tolist() == pytest.approx([0.0 if mis is not None else -3.0 / kept_tokens] * t)
             assert x.grad[1].tolist() == pytest.approx([1.0 / kept_tokens] * t)
-        st = staleness_stats(alpha_logp, pi_k_logp, mask, is_cap=3.0, is_mask=3.0, is_level=level)
+        st = step_figures(alpha_logp, pi_k_logp, mask, clip_center="decoupled", is_cap=3.0, is_mask=3.0, is_level=level)
         assert st["is_masked_frac"] == 0.5 and st["is_capped_frac"] == 0.0
+        st = step_figures(alpha_logp, pi_k_logp, mask, clip_center="decoupled", is_cap=3.0, is_level=level)
+        assert st["is_capped_frac"] == 0.5  # without MIS sequence 0 is capped
 
 
 def test_bad_levels_are_one_line_errors():
     logp, alpha_logp, pi_k_logp, ref_logp, adv, mask = batch(seed=1)
-    bad = [
-        (dict(is_mask=2.0, is_level="seq"), "is_level must be one of"),
-        (dict(is_level="sequence"), "neither is set"),
-        (dict(is_cap=2.0, is_level="geometric", clip_center="pi_k"), "has none"),
-    ]
-    for kw, message in bad:
-        with pytest.raises(ValueError, match=message) as err:
-            corrected_loss(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, **kw)
+    with pytest.raises(ValueError, match="is_level must be one of") as err:  # the MIS unit, at the step's keep
+        corrected_loss(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, is_mask=2.0, is_level="seq")
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="is_level must be one of") as err:  # the TIS unit, in the loss
+        corrected_loss(
+            logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, clip_center="decoupled", is_cap=2.0, is_level="seq"
+        )
+    assert "\n" not in str(err.value)
+    # A level without a correction, or TIS without the decoupled centre: the flags are refused (config.validate).
+    for kw, message in [
+        (dict(is_level="sequence"), "--is-level sequence sets what --is-cap / --is-mask act on; neither is set"),
+        (dict(is_cap=2.0, is_level="geometric", clip_center="pi_k"), "--is-cap needs --loss grpo --clip-center"),
+    ]:
+        with pytest.raises(ConfigError, match=message) as err:
+            validate(resolve(Config(out="/tmp/unused", **kw)))
         assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="neither is set"):
+        correction_args(alpha_logp, pi_k_logp, mask, is_level="sequence")
     with pytest.raises(ValueError, match="needs loss_mask"):
-        correction_args(alpha_logp, pi_k_logp, None, clip_center="pi_k", is_mask=2.0, is_level="sequence")
+        correction_args(alpha_logp, pi_k_logp, None, is_mask=2.0, is_level="sequence")
     with pytest.raises(ValueError, match="needs loss_mask"):
         mis_keep_mask(alpha_logp, pi_k_logp, 2.0, is_level="geometric")
     with pytest.raises(ValueError, match="is_level must be one of"):
-        staleness_stats(alpha_logp, pi_k_logp, mask, is_mask=2.0, is_level="tokens")
+        MIS(2.0, "tokens").step_keep(alpha_logp, pi_k_logp, mask)
+    with pytest.raises(ValueError, match="is_level must be one of"):
+        TIS(2.0, "tokens").step_stats(alpha_logp, pi_k_logp, mask)
 
 
 # --------------------------------------------------------------------------- stock TRL 1.16
@@ -306,10 +333,11 @@ def test_the_product_form_is_stock_trls_sequence_truncate_and_sequence_mask(tok,
         alpha[i, :n] = torch.tensor(sampler[i])
     C = M = 3.0
 
-    def ours(**kw):  # w_t with r = 1 and A = 1, so o_t = w_t; and the keep mask
-        extra = correction_args(alpha, old, mask, clip_center="decoupled", is_level="sequence", **kw)
-        o = surrogate(old, alpha, old, torch.ones(len(rows)), clip_center="decoupled", **extra)
-        return o.objective, extra["keep"]
+    def ours(**kw):  # the units' o_t with r = 1 and A = 1, so o_t = w_t (0 where MIS drops); MIS's keep mask
+        flags = dict(clip_center="decoupled", is_level="sequence", **kw)
+        keep = variants.recipe(Config(**flags)).step_keep(alpha, old, mask)[0]  # (N, T)
+        o = unit_terms(LossInput(old, alpha, old, None, torch.ones(len(rows)), mask * keep), **flags)
+        return o, (keep if "is_mask" in kw else None)
 
     valid = mask.bool()
     runs = [
@@ -363,16 +391,15 @@ def test_the_sequence_forms_are_verls_rollout_correction(level, option):
     logp, alpha_logp, pi_k_logp, _, adv, mask = batch(seed=3)
     mask[0, 0] = 1  # verl wants every sequence to have a valid token
     cap, mis = CAP[level], BAND[level]
-    keep = correction_args(alpha_logp, pi_k_logp, mask, clip_center="decoupled", is_mask=mis, is_level=level)["keep"]
+    keep = correction_args(alpha_logp, pi_k_logp, mask, is_mask=mis, is_level=level)["keep"]
+    assert torch.equal(MIS(mis, level).step_keep(alpha_logp, pi_k_logp, mask)[0], keep)  # the unit's
     rs_mask, _ = compute_rollout_rejection_mask(pi_k_logp - alpha_logp, mask.double(), option, mis)
     assert torch.equal(rs_mask.bool(), keep & mask.bool()) and 0 < rs_mask.sum() < mask.sum()
     if level == "sequence":  # verl has no geometric-mean weight
         weights, _ = compute_rollout_correction_weights(pi_k_logp - alpha_logp, mask.double(), "sequence", cap)
-        extra = correction_args(alpha_logp, pi_k_logp, mask, clip_center="decoupled", is_cap=cap, is_level=level)
-        # r = 1 and A = 1: o_t = w_t
-        w = surrogate(
-            pi_k_logp, alpha_logp, pi_k_logp, torch.ones_like(adv), clip_center="decoupled", **extra
-        ).objective
+        # the TIS unit's o_t with r = 1 and A = 1: o_t = w_t
+        x = LossInput(pi_k_logp, alpha_logp, pi_k_logp, None, torch.ones_like(adv), mask)
+        w = unit_terms(x, clip_center="decoupled", is_cap=cap, is_level=level)
         torch.testing.assert_close((w * mask)[1:], weights[1:], rtol=1e-12, atol=1e-12)
         # Sequence 0 is one token with log rho' ~ -300: verl clamps the log-ratio at -20 (its SAFETY_BOUND), we don't.
         assert weights[0, 0].item() == pytest.approx(math.exp(-20.0)) and w[0, 0] < 1e-100
