@@ -4,6 +4,7 @@ top-level file but train.py importing a folder; what each algorithm file may imp
 boundary; that the benchmark times the training step; and that the functions the README names exist."""
 
 import ast
+import os
 import sys
 
 import pytest
@@ -247,5 +248,6 @@ def test_help_names_only_files_that_exist_and_imports_nothing_heavy():
     named = set(re.findall(r"[\w/]+\.py\b", text)) - {"path/to/file.py"}
     assert named and all((ROOT / n).is_file() for n in named), sorted(n for n in named if not (ROOT / n).is_file())
     probe = "import sys, train; print(sorted({'transformers', 'peft', 'datasets'} & set(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a shared machine: one thread, as every test subprocess
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])

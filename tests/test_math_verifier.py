@@ -7,6 +7,7 @@ no math-verify at all.
 """
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -18,6 +19,8 @@ import pytest
 from conftest import ROOT, needs, shared_data
 from problems.math_verifier import symbolic_reward
 from reward import extract_answer, math_reward, parse_number
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # every test subprocess: one thread on a shared machine
 
 
 @pytest.fixture
@@ -51,7 +54,7 @@ def test_import_and_numeric_mode_work_without_math_verify():
         "    pass\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, env=ENV)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
@@ -62,7 +65,7 @@ def test_numeric_mode_never_imports_math_verify():
         "reward.math_reward('\\\\boxed{(3, \\\\frac{\\\\pi}{2})}', '(3,\\\\frac{\\\\pi}{2})')\n"
         "print('math_verify' in sys.modules, 'sympy' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, env=ENV)
     assert out.stdout.strip() == "False False", out.stderr
 
 

@@ -131,7 +131,7 @@ def test_without_the_gguf_package_train_py_says_so_in_one_line(tmp_path):
         text=True,
         timeout=300,
         cwd=ROOT,
-        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
     )
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()

@@ -20,7 +20,7 @@ from conftest import ROOT, TEST_WARMUP
 # Trains or decodes a model: CI runs these again under ATEN_CPU_CAPABILITY=default (plain kernels).
 pytestmark = pytest.mark.model
 
-ENV = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1"}
+ENV = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
 def cli(*args, timeout=300):

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 import problems.prompts
 import train
+import variants
 from advantage import group_advantages
 from config import Config, build_parser, resolve
 from conftest import ROOT, TEST_WARMUP, shared_data
@@ -96,8 +97,8 @@ def test_reward_shuffle_deals_the_same_rewards_to_random_samples():
     # The null control: the advantages are those of a permutation of the step's rewards, so the
     # reward rate is kept and the link between a completion and its reward is cut.
     rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1])  # 4 groups of 4
-    plain_adv, _ = train.advantages_of(cfg_for(), rewards, torch.Generator().manual_seed(0))
-    adv, valid = train.advantages_of(cfg_for(reward_shuffle=True), rewards, torch.Generator().manual_seed(0))
+    plain_adv, _ = variants.recipe(cfg_for()).advantages(rewards, torch.Generator().manual_seed(0))
+    adv, valid = variants.recipe(cfg_for(reward_shuffle=True)).advantages(rewards, torch.Generator().manual_seed(0))
     perm = torch.randperm(16, generator=torch.Generator().manual_seed(0))  # the same draw, replayed
     ref_adv, ref_valid = group_advantages(rewards[perm], 4)
     assert not torch.equal(perm, torch.arange(16))
@@ -257,7 +258,7 @@ def run_cli(*args, timeout=600):
         text=True,
         timeout=timeout,
         cwd=ROOT,
-        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},  # a shared machine: see ENV
     )
 
 

@@ -116,6 +116,7 @@ def test_loaded_by_verl_external_modules_variable():
     # What a Ray worker does: `import verl` reads VERL_USE_EXTERNAL_MODULES and imports the plugin itself.
     code = "import verl.trainer.ppo.core_algos as c; print(c.get_policy_loss_fn('offpolicy_grpo').__module__)"
     env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="integrations.verl_grpo", PYTHONPATH=str(ROOT))
+    env["OMP_NUM_THREADS"] = "1"  # every test subprocess: one thread on a shared machine
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True, timeout=300, check=False
     )

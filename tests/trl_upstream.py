@@ -249,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in prepare(work, args.trl_repo, args.ref, args.stock):
         print(f"no stand-in: {line}", flush=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.setdefault("OMP_NUM_THREADS", "1")  # a shared machine: one thread unless the caller chose
     junit = work / "junit.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", f"--junitxml={junit}"]
     cmd += ["-k", args.k] if args.k else []
