@@ -9,7 +9,7 @@ What a step (train.grpo_step) holds, by phase; each item is a formula of engine/
     resident, every phase
         the policy's weights; pi_ref's copy (beta > 0 without LoRA); the gradients and AdamW's two float32
         moments (allocated by the first update, then kept: counted from the start); the queue (--lag s: s + 1
-        batches, --offpolicy-steps v: v, at most --steps) at train.queue_batch_bytes each
+        batches, --offpolicy-steps v: v, at most --steps) at engine.queue_fit.queue_batch_bytes each
     kept decoders, every phase (engine.decoding keeps up to MAX_DECODERS, the least recently used dropped)
         one per sampling shape: the refresh's calls of --sample-rows rows and the last, smaller call; under --lag
         the later steps' one batch; evaluation's calls (256 rows, and the remainder). Each holds its KV cache
@@ -201,7 +201,7 @@ def memory_plan(
         items.append(("resident", "pi_ref's copy of the weights", weights))
     items.append(("resident", f"gradients and AdamW's moments ({sum(p.numel() for p in trainable) / 1e6:.1f}M)", state))
     held = min(cfg.lag + 1 if cfg.lag is not None else cfg.offpolicy_steps, cfg.steps)
-    from train import queue_batch_bytes  # here, not at the top: train.py imports engine/
+    from engine.queue_fit import queue_batch_bytes  # here: queue_fit imports engine.policy, as this file does
 
     per_batch = queue_batch_bytes(cfg, prompt_len)
     items.append(("resident", f"the queue: {held} batch(es) x {per_batch / 1e6:.1f} MB", held * per_batch))

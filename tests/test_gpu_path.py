@@ -157,13 +157,13 @@ class OtherDevice:
 
 
 def test_red_drop_and_the_reward_shuffle_draw_on_their_generators_device(monkeypatch):
+    import variants
     from config import Config
-    from train import advantages_of
 
     patched = OtherDevice(monkeypatch)
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0])  # two groups of 4, one positive each
     cfg = Config(group_size=4, red="drop", reward_shuffle=True)
-    advantages, valid = advantages_of(cfg, rewards, torch.Generator().manual_seed(0))
+    advantages, valid = variants.recipe(cfg).advantages(rewards, torch.Generator().manual_seed(0))
     assert patched.calls == 3  # one shuffle, one drop per group
     assert valid.sum() == 4  # RED-Drop kept one positive and one negative per group
 

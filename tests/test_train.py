@@ -129,8 +129,8 @@ def test_micro_batched_gradient_equals_whole_batch(model, tok, agg):
 def test_mis_on_a_stale_step_micro_batched_equals_policy_loss_on_the_whole_batch(model, tok, agg, center, is_cap):
     # MIS's normaliser depends on log pi_k, which update() records during its first epoch: the gradient
     # of every micro-batching must still be objective.policy_loss's on the whole batch.
-    from objective import aggregation_total, policy_loss
-    from variants.corrections import correction_args, mis_keep_mask
+    from objective import LossInput, aggregation_total
+    from variants.corrections import mis_keep_mask
 
     batch = make_batch(model, tok, seed=3)
     noise = 0.4 * torch.randn(batch.completion_mask.shape, generator=torch.Generator().manual_seed(1))
@@ -143,20 +143,9 @@ def test_mis_on_a_stale_step_micro_batched_equals_policy_loss_on_the_whole_batch
     logp = chunked_token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
     total = aggregation_total(batch.loss_mask * keep, agg, 5)
     A, loss_mask = batch.advantages, batch.loss_mask
-    corrections = correction_args(alpha_logp, lp, loss_mask, clip_center=center, is_cap=is_cap, is_mask=1.3)
-    policy_loss(
-        logp,
-        alpha_logp,
-        lp,
-        None,
-        A,
-        loss_mask,
-        total=total,
-        clip_center=center,
-        agg=agg,
-        max_new_tokens=5,
-        **corrections,
-    )[0].backward()
+    whole = cfg_for(agg=agg, clip_center=center, is_cap=is_cap, is_mask=1.3, max_new_tokens=5)
+    x = LossInput(logp, alpha_logp, lp, None, A, loss_mask * keep, total)  # MIS's drops leave the loss and Z
+    variants.recipe(whole).loss(x)[0].backward()  # the whole batch at once
     expected = torch.cat([p.grad.flatten() for p in model.parameters()]).clone()
     for mb in (None, 4, 2):
         opt = RecordingOptimizer(model.parameters())
@@ -208,9 +197,9 @@ def test_a_refresh_samples_its_whole_cycle_from_the_live_policy(
         calls.append((model is holder["policy"], flat(model), [p for p, _ in prompts], out))
         return out
 
-    def update_spy(cfg, policy, opt, batch, ref_logp):
+    def update_spy(cfg, policy, opt, batch, ref_logp, **kw):
         updates.append((batch.input_ids.clone(), batch.alpha_logp))
-        return real_update(cfg, policy, opt, batch, ref_logp)
+        return real_update(cfg, policy, opt, batch, ref_logp, **kw)
 
     def load_spy(*a, **kw):
         holder["policy"], t = real_load(*a, **kw)

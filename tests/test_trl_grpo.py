@@ -19,8 +19,9 @@ from trl import GRPOTrainer  # noqa: E402
 from trl_testing import G, make_trainer, noisy, rows, save_policy, sequences  # noqa: E402
 
 import objective  # noqa: E402
-import train  # noqa: E402
+import variants  # noqa: E402
 from advantage import group_advantages  # noqa: E402
+from bookkeeping.diagnostics import staleness_stats  # noqa: E402
 from config import Config  # noqa: E402
 from engine.chunked_logprobs import chunked_token_logprobs  # noqa: E402
 from integrations import trl_grpo  # noqa: E402
@@ -82,7 +83,7 @@ def test_parity_with_stock_trl(policy_dir, tmp_path, loss_type, bias_kl):
 @pytest.mark.parametrize("weighted_kl", [False, True], ids=["kl", "rho-weighted-kl"])
 def test_offpolicy_loss_is_the_loops_loss(policy_dir, tmp_path, weighted_kl):
     """v > 1, the pi_k centre: log alpha is TRL's old_per_token_logps, log pi_k the forward detached, and the loss
-    equals the loop's (train.loss_of, objective.policy_loss) on the same tensors, with log-probs from
+    equals the loop's (variants.Recipe.loss, objective.policy_loss) on the same tensors, with log-probs from
     chunked_logprobs, advantages from advantage.group_advantages and an independent normaliser. One KL: TRL's
     use_bias_correction_kl and train.py's --kl-importance-weight give the same term, and the other setting does
     not."""
@@ -104,9 +105,10 @@ def test_offpolicy_loss_is_the_loops_loss(policy_dir, tmp_path, weighted_kl):
 
     def loops_loss(kl_importance_weight):
         cfg = Config(beta=1.0, clip_center="pi_k", kl_importance_weight=kl_importance_weight)
-        return train.loss_of(cfg, logp, old, logp.detach(), ref, adv, mask, total)[0].item()
+        x = objective.LossInput(logp, old, logp.detach(), ref, adv, mask, total)
+        return variants.recipe(cfg).loss(x)[0].item()
 
-    rho_prime_max = corrections.staleness_stats(old, logp.detach(), mask)["rho_prime_max"]
+    rho_prime_max = staleness_stats(old, logp.detach(), mask)["rho_prime_max"]
     assert rho_prime_max > 1.5  # the two centres give different losses on these tensors
     assert abs(loss.item() - loops_loss(weighted_kl)) < 1e-5
     assert abs(loss.item() - loops_loss(not weighted_kl)) > 1e-3  # the weight changes the KL term
@@ -167,12 +169,14 @@ def test_vllm_weight_composes_with_rho_prime(policy_dir, tmp_path, clip_center):
     logp = chunked_token_logprobs(trainer.model, *sequences(batch), cmask, 1.0)
     old, mask, adv = batch["old_per_token_logps"], batch["loss_mask"], batch["advantages"]
     total = objective.aggregation_total(mask, "token-mean")
-    kw = dict(clip_center=clip_center, total=total)
-    expected, _ = objective.policy_loss(logp, old, logp.detach(), None, adv.unsqueeze(1) * w, mask, **kw)
+    x = objective.LossInput(logp, old, logp.detach(), None, adv.unsqueeze(1) * w, mask, total)
+    expected, _ = objective.policy_loss(x, clip_center=clip_center)
     assert abs(loss.item() - expected.item()) < 1e-6
     assert abs(rho_prime - objective.masked_mean(torch.exp(logp.detach() - old), mask)) < 1e-5
     engine = batch["sampling_per_token_logps"]
-    wrong, _ = objective.policy_loss(logp, engine, logp.detach(), None, adv, mask, **kw)
+    wrong, _ = objective.policy_loss(
+        objective.LossInput(logp, engine, logp.detach(), None, adv, mask, total), clip_center=clip_center
+    )
     assert abs(wrong.item() - expected.item()) > 1e-3
 
 
@@ -261,7 +265,7 @@ def test_opsm_is_stock_trls_off_policy_mask(policy_dir, tmp_path, loss_type):
 
 def test_m2po_masks_the_whole_optimizer_step_as_the_loop_does(policy_dir, tmp_path):
     """m2_threshold (M2PO), v = 2, GA = 2: the mask is computed once over the step's two slices (not per slice), the
-    step's normaliser counts the kept tokens, and the slices' losses add up to the loop's (train.loss_of) on the
+    step's normaliser counts the kept tokens, and the slices' losses add up to the loop's (variants.Recipe.loss) on the
     whole step with corrections.m2po_keep_mask."""
     tau = 0.02
     trainer = make_trainer(
@@ -296,7 +300,8 @@ def test_m2po_masks_the_whole_optimizer_step_as_the_loop_does(policy_dir, tmp_pa
     whole = {k: cat(k) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
     logp = chunked_token_logprobs(trainer.model, *sequences(whole), whole["completion_mask"], 1.0)
     cfg = Config(clip_center="pi_k", m2_threshold=tau)
-    loop = train.loss_of(cfg, logp, alpha, pi_k, None, adv, mask, float(kept), m2po_keep=keep)[0].item()
+    x = objective.LossInput(logp, alpha, pi_k, None, adv, mask * keep, float(kept))  # the loop's update does so
+    loop = variants.recipe(cfg).loss(x)[0].item()
     assert abs(loss - loop) < 1e-5
     assert trainer._metrics["train"]["offpolicy/m2po_masked_frac"][-1] > 0
     assert not torch.equal(per_slice, keep)  # per slice (AReaL's per micro-batch) would mask other tokens
