@@ -1,6 +1,7 @@
-"""M2PO and OPSM (variants.corrections.m2po_keep_mask / opsm_keep_mask, objective.policy_loss's keep and
-keep_objective) against plain Python loops written from their definitions (float64, hand-built ties, the case where
-no cut brings the mean below tau, masked tokens), TRL's stock `GRPOTrainer.get_off_policy_mask`, and train.py runs.
+"""M2PO and OPSM (variants.corrections.m2po_keep_mask / opsm_keep_mask, and the units M2PO (a step_keep: the tokens
+leave the loss mask and Z) and OPSM (a loss hook: A <- 0 on a dropped sequence) around objective.policy_loss)
+against plain Python loops written from their definitions (float64, hand-built ties, the case where no cut brings
+the mean below tau, masked tokens), TRL's stock `GRPOTrainer.get_off_policy_mask`, and train.py runs.
 
 The references read:
 - M2PO: AReaL (inclusionAI/AReaL, areal/trainer/ppo/actor.py, `_apply_m2po_masking` / `_get_m2po_loss_mask`):
@@ -17,8 +18,9 @@ import pytest
 import torch
 
 from conftest import error_line, jsonl, needs, tiny_run_args
-from objective import policy_loss
-from variants.corrections import m2po_keep_mask, opsm_keep_mask
+from objective import LossInput, policy_loss
+from test_staleness import corrected_loss, step_figures
+from variants.corrections import M2PO, OPSM, m2po_keep_mask, opsm_keep_mask
 
 EPS_LO, EPS_HI = 0.2, 0.28
 
@@ -57,7 +59,7 @@ def opsm_loop(alpha, logp, adv, mask, delta):
 
 
 def loss_loop(logp, alpha, pi_k, ref, adv, mask, center, beta, keep, seq_keep):
-    """policy_loss's token-mean in floats: a token keep drops leaves the sum and the count with its KL term; a
+    """The loss's token-mean in floats: a token keep drops leaves the sum and the count with its KL term (M2PO); a
     sequence seq_keep drops loses its surrogate term only (OPSM)."""
     terms = []
     for i in range(len(logp)):
@@ -198,20 +200,22 @@ def test_opsm_is_trls_stock_get_off_policy_mask():
 def test_the_masks_in_policy_loss_match_the_loop_in_value_and_gradient(center, which):
     logp, alpha, pi_k, ref, adv, mask = batch(seed=4)
     beta, tau, delta = 0.1, 0.01, 0.05
-    keep = m2po_keep_mask(alpha, pi_k, mask, tau) if which != "opsm" else None
-    seq_keep = opsm_keep_mask(alpha, logp, adv, mask, delta) if which != "m2po" else None
+    flags = dict(clip_eps=EPS_LO, clip_eps_high=EPS_HI, clip_center=center, beta=beta)
+    flags |= dict(m2_threshold=tau) if which != "opsm" else {}
+    flags |= dict(opsm_delta=delta) if which != "m2po" else {}
     x = logp.clone().requires_grad_(True)
-    kw = dict(clip_eps=EPS_LO, clip_eps_high=EPS_HI, clip_center=center, beta=beta)
-    loss, _ = policy_loss(x, alpha, pi_k, ref, adv, mask, keep=keep, keep_objective=seq_keep, **kw)
+    loss, stats = corrected_loss(x, alpha, pi_k, ref, adv, mask, **flags)  # the units through variants.recipe
     loss.backward()
 
     a, pk, rf, ad, mk = (t.tolist() for t in (alpha, pi_k, ref, adv, mask))
     n, t = mask.shape
-    k = m2po_loop(a, pk, mk, tau) if keep is not None else [[True] * t for _ in range(n)]
-    s = opsm_loop(a, logp.tolist(), ad, mk, delta) if seq_keep is not None else [True] * n
-    if keep is not None:
+    k = m2po_loop(a, pk, mk, tau) if which != "opsm" else [[True] * t for _ in range(n)]
+    # OPSM's D_i runs over the loss's tokens: with M2PO, those M2PO keeps (a step_keep's tokens leave the step)
+    kept_mask = [[mk[i][j] and k[i][j] for j in range(t)] for i in range(n)]
+    s = opsm_loop(a, logp.tolist(), ad, kept_mask, delta) if which != "m2po" else [True] * n
+    if which != "opsm":
         assert 0 < sum(not x for row in k for x in row) < mask.sum()  # some tokens leave, some stay
-    if seq_keep is not None:
+    if which != "m2po":
         assert 0 < s.count(False) < n - 1  # some sequences lose their surrogate, some keep it
 
     def loop(lp):  # OPSM's mask reads pi_theta detached: it is held at logp's, as the gradient sees it
@@ -225,6 +229,37 @@ def test_the_masks_in_policy_loss_match_the_loop_in_value_and_gradient(center, w
             up[i][j] += h
             dn[i][j] -= h
             assert x.grad[i, j].item() == pytest.approx((loop(up) - loop(dn)) / (2 * h), abs=1e-6), (i, j)
+    # The figures: M2PO's share of the valid tokens (the step's), OPSM's share of the tokens the loss keeps.
+    valid = [(i, j) for i in range(n) for j in range(t) if mk[i][j]]
+    kept = [(i, j) for i, j in valid if k[i][j]]
+    assert stats["tokens"] == len(kept)
+    figures = step_figures(alpha, pi_k, mask, **flags)
+    if which != "opsm":
+        assert figures["m2po_masked_frac"] == pytest.approx((len(valid) - len(kept)) / len(valid), abs=1e-15)
+    else:
+        assert "m2po_masked_frac" not in figures
+    if which != "m2po":
+        assert stats["opsm_masked_frac"] == pytest.approx(sum(not s[i] for i, _ in kept) / len(kept), abs=1e-15)
+    else:
+        assert "opsm_masked_frac" not in stats
+
+
+def test_the_units_are_the_masks():
+    # M2PO.step_keep is m2po_keep_mask with its share of the mask's tokens; OPSM.loss hands the loss A = 0 exactly on
+    # the sequences opsm_keep_mask drops, and the rest unchanged.
+    logp, alpha, pi_k, ref, adv, mask = batch(seed=4)
+    keep, figures = M2PO(0.02).step_keep(alpha, pi_k, mask)
+    assert torch.equal(keep, m2po_keep_mask(alpha, pi_k, mask, 0.02))
+    assert figures == {"m2po_masked_frac": pytest.approx(((~keep) & (mask > 0)).sum().item() / mask.sum().item())}
+    seen = {}
+    x = LossInput(logp, alpha, pi_k, ref, adv, mask)
+    _, st = OPSM(0.05).loss(x, inner=lambda y, **settings: seen.update(y=y) or (torch.zeros(()), {}))
+    seq_keep = opsm_keep_mask(alpha, logp, adv, mask, 0.05)  # (N, 1)
+    assert 0 < (~seq_keep).sum() < mask.shape[0] - 1
+    assert torch.equal(seen["y"].advantages, torch.where(seq_keep, adv.unsqueeze(1), 0.0))
+    assert seen["y"].loss_mask is mask and seen["y"].logp is logp and seen["y"].alpha_logp is alpha
+    dropped_tokens = ((~seq_keep) & (mask > 0)).sum().item()
+    assert st["opsm_masked_frac"] == pytest.approx(dropped_tokens / mask.sum().item())
 
 
 def test_opsm_keeps_dropped_sequences_in_the_normaliser_and_their_kl_term():
@@ -232,15 +267,21 @@ def test_opsm_keeps_dropped_sequences_in_the_normaliser_and_their_kl_term():
     seq_keep = opsm_keep_mask(alpha, logp, adv, mask, 0.0)
     assert not seq_keep[mask.sum(1) > 0].all()
     x = logp.clone().requires_grad_(True)
-    loss, _ = policy_loss(x, alpha, pi_k, ref, adv, mask, beta=0.5, keep_objective=seq_keep)
+    loss, stats = corrected_loss(x, alpha, pi_k, ref, adv, mask, beta=0.5, opsm_delta=0.0)
     loss.backward()
+    assert stats["tokens"] == mask.sum().item()  # every token stays in the normaliser
     # a dropped sequence's gradient is its KL term's alone: the loss with only beta * KL on those rows
     dropped = (~seq_keep.squeeze(1)) & (mask.sum(1) > 0)
     y = logp.clone().requires_grad_(True)
-    kl_only, _ = policy_loss(y, alpha, pi_k, ref, torch.zeros_like(adv), mask, beta=0.5)
+    kl_only, _ = policy_loss(LossInput(y, alpha, pi_k, ref, torch.zeros_like(adv), mask), beta=0.5)
     kl_only.backward()
     assert torch.allclose(x.grad[dropped], y.grad[dropped], rtol=0, atol=1e-15)
     assert x.grad[dropped].abs().sum() > 0
+    # and the kept sequences' gradient is the plain loss's
+    z = logp.clone().requires_grad_(True)
+    plain, _ = policy_loss(LossInput(z, alpha, pi_k, ref, adv, mask), beta=0.5)
+    plain.backward()
+    assert torch.equal(x.grad[~dropped], z.grad[~dropped])
 
 
 # ---- train.py ----------------------------------------------------------------------------------------------

@@ -1,7 +1,6 @@
 """Defects a close review found, each pinned by a test that failed before its fix (issue: "the house, part 2")."""
 
 import dataclasses
-import inspect
 import json
 import os
 import subprocess
@@ -17,11 +16,11 @@ from bookkeeping import run_io
 from config import Config, resolve
 from conftest import ROOT, needs
 from engine.chunked_logprobs import chunked_token_logprobs
-from objective import aggregation_total, surrogate
+from objective import LossInput, aggregation_total, surrogate
 from test_staleness import corrected_loss
 from test_train import make_batch
-from variants import corrections, reinforce
-from variants.corrections import correction_args, mis_keep_mask
+from variants import Recipe, reinforce
+from variants.corrections import mis_keep_mask
 from variants.reinforce import opmd_loss, rec_loss
 
 
@@ -37,17 +36,24 @@ def overflow_outside_the_mask():
 
 @pytest.mark.parametrize(
     "loss",
-    ["pi_k", "alpha", "decoupled", "decoupled-tis", "mis", "rec", "rec-is", "opmd"],
+    ["pi_k", "alpha", "decoupled", "decoupled-tis", "mis", "m2po", "opsm", "kl-is", "rec", "rec-is", "opmd"],
 )
 def test_a_token_outside_the_mask_cannot_make_the_loss_or_gradient_non_finite(loss):
     logp, alpha_logp, pi_k_logp, ref, adv, mask = overflow_outside_the_mask()
+    center = loss.split("-")[0] if loss in ("pi_k", "alpha", "decoupled", "decoupled-tis") else "pi_k"
+    kw = dict(
+        is_cap=2.0 if loss == "decoupled-tis" else None,
+        is_mask=4.0 if loss == "mis" else None,
+        m2_threshold=0.01 if loss == "m2po" else None,
+        opsm_delta=0.0 if loss == "opsm" else None,
+        kl_importance_weight=loss == "kl-is",
+        loss=loss if loss in ("rec", "rec-is", "opmd") else "grpo",
+    )
     if loss in ("rec", "rec-is"):
-        value, _ = rec_loss(logp, alpha_logp, adv, mask, importance_weight=loss == "rec-is")
+        value, _ = rec_loss(LossInput(logp, alpha_logp, None, None, adv, mask), importance_weight=loss == "rec-is")
     elif loss == "opmd":
-        value, _ = opmd_loss(logp, alpha_logp, adv, mask)
+        value, _ = opmd_loss(LossInput(logp, alpha_logp, None, None, adv, mask))
     else:
-        center = loss.split("-")[0] if loss != "mis" else "pi_k"
-        kw = dict(is_cap=2.0 if loss == "decoupled-tis" else None, is_mask=4.0 if loss == "mis" else None)
         value, _ = corrected_loss(logp, alpha_logp, pi_k_logp, ref, adv, mask, clip_center=center, beta=0.1, **kw)
     value.backward()
     assert torch.isfinite(value) and torch.isfinite(logp.grad).all(), (value, logp.grad)
@@ -55,19 +61,29 @@ def test_a_token_outside_the_mask_cannot_make_the_loss_or_gradient_non_finite(lo
     # ... and the value is that of the same batch without the masked-out column.
     sub = [t[:, :2] if t.dim() == 2 else t for t in overflow_outside_the_mask()]
     if loss in ("rec", "rec-is"):
-        expected, _ = rec_loss(sub[0], sub[1], sub[4], sub[5], importance_weight=loss == "rec-is")
+        expected, _ = rec_loss(
+            LossInput(sub[0], sub[1], None, None, sub[4], sub[5]), importance_weight=loss == "rec-is"
+        )
     elif loss == "opmd":
-        expected, _ = opmd_loss(sub[0], sub[1], sub[4], sub[5])
+        expected, _ = opmd_loss(LossInput(sub[0], sub[1], None, None, sub[4], sub[5]))
     else:
         expected, _ = corrected_loss(*sub, clip_center=center, beta=0.1, **kw)
     assert value.item() == pytest.approx(expected.item(), rel=1e-12)
+    if loss in ("rec", "rec-is", "opmd"):  # the unit, through the recipe, as well
+        y = logp.detach().clone().requires_grad_(True)
+        unit, _ = corrected_loss(y, alpha_logp, pi_k_logp, ref, adv, mask, beta=0.1, **kw)
+        unit.backward()
+        assert torch.isfinite(y.grad).all() and (y.grad[:, 2] == 0).all()
+        assert unit.item() == pytest.approx(expected.item(), rel=1e-12)
 
 
 def test_per_token_terms_are_named_tuples():
     logp, alpha_logp, pi_k_logp, _, adv, mask = overflow_outside_the_mask()
-    extra = correction_args(alpha_logp[:, :2], pi_k_logp[:, :2], mask[:, :2], clip_center="decoupled", is_mask=4.0)
-    o = surrogate(logp[:, :2], alpha_logp[:, :2], pi_k_logp[:, :2], adv, clip_center="decoupled", **extra)
-    assert o.objective.shape == o.rho.shape == o.clip_low.shape == o.clip_high.shape == extra["keep"].shape == (2, 2)
+    keep = mis_keep_mask(alpha_logp[:, :2], pi_k_logp[:, :2], 4.0, loss_mask=mask[:, :2])  # MIS's kept tokens
+    x = LossInput(logp[:, :2], alpha_logp[:, :2], pi_k_logp[:, :2], None, adv, mask[:, :2] * keep)
+    o = surrogate(x, clip_center="alpha")
+    assert o._fields == ("objective", "rho", "clip_low", "clip_high")
+    assert o.objective.shape == o.rho.shape == o.clip_low.shape == o.clip_high.shape == keep.shape == (2, 2)
     r = reinforce.rec_per_token(logp[:, :2], alpha_logp[:, :2], adv)
     assert r.objective.shape == r.rho.shape == r.clip_low.shape == r.clip_high.shape == (2, 2)
     m = reinforce.opmd_per_token(logp[:, :2], alpha_logp[:, :2], adv)
@@ -112,20 +128,22 @@ def test_update_gives_every_micro_batch_the_final_normaliser_and_computes_the_mi
         logp = chunked_token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, 1.0)
     alpha_logp = logp + 0.8 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(0))
     cfg = resolve(Config(group_size=4, prompts_per_step=4, out="/tmp/unused", micro_batch=4, is_mask=1.5))
-    calls, stats_calls = [], []
-    real_loss, real_stats = train.policy_loss, train.staleness_stats
-    signature = inspect.signature(real_loss)
-    record = lambda *a, **kw: calls.append(signature.bind(*a, **kw).arguments) or real_loss(*a, **kw)
-    monkeypatch.setattr(train, "policy_loss", record)
-    monkeypatch.setattr(corrections, "staleness_stats", lambda *a, **kw: pytest.fail("the loss computes it"))
+    calls, keep_calls, stats_calls = [], [], []
+    real_loss, real_keep, real_stats = Recipe.loss, Recipe.step_keep, train.staleness_stats
+    monkeypatch.setattr(Recipe, "loss", lambda self, x: calls.append(x) or real_loss(self, x))
+    monkeypatch.setattr(Recipe, "step_keep", lambda self, *a: keep_calls.append(1) or real_keep(self, *a))
     monkeypatch.setattr(train, "staleness_stats", lambda *a, **kw: stats_calls.append(1) or real_stats(*a, **kw))
     stale = dataclasses.replace(batch, alpha_logp=alpha_logp)
-    train.update(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0), stale, None)
+    stats, _ = train.update(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0), stale, None)
     keep = mis_keep_mask(alpha_logp, logp, 1.5)
     expected = aggregation_total(batch.loss_mask * keep, cfg.agg, cfg.max_new_tokens)
-    assert len(calls) == 4 and all(c["keep"] is not None for c in calls)  # MIS's keep reaches every micro-batch
-    assert {c["total"] for c in calls} == {expected} and expected < batch.loss_mask.sum().item()
-    assert stats_calls == [1]
+    assert len(calls) == 4  # MIS's keep reaches every micro-batch, as its rows of the loss mask
+    for c, rows in zip(calls, [slice(s, s + 4) for s in range(0, 16, 4)], strict=True):
+        assert torch.equal(c.loss_mask, batch.loss_mask[rows] * keep[rows])
+    assert {c.total for c in calls} == {expected} and expected < batch.loss_mask.sum().item()
+    assert keep_calls == [1] and stats_calls == [1]  # the step's keep and its figures, once a step
+    dropped = (batch.loss_mask * ~keep).sum().item() / batch.loss_mask.sum().item()
+    assert stats["is_masked_frac"] == pytest.approx(dropped) and dropped > 0
 
 
 def test_curves_of_a_run_without_a_clip_draw_without_warnings(tmp_path):
