@@ -85,11 +85,14 @@ def test_a_reward_failure_at_the_first_step_leaves_no_run(warm_cache, tmp_path, 
 def test_rewards_too_large_for_float32_group_statistics_are_one_error(big):
     # Each reward fits float32, but the group's variance squares it: without the check every advantage would be 0
     # (1e20: the variance is inf) or NaN (3e38), silently.
+    import variants
     from config import Config
     from problems.user_rewards import RewardError
 
-    cfg = Config(group_size=4)
     rewards = torch.tensor([big, 0.0, 0.0, 1.0])
     with pytest.raises(RewardError, match="beyond what float32 group statistics hold"):
-        train.advantages_of(cfg, rewards, torch.Generator().manual_seed(0))
-    train.advantages_of(cfg, torch.tensor([1e15, 0.0, 0.0, 1.0]), torch.Generator().manual_seed(0))  # fits: fine
+        train.check_rewards(rewards)
+    fits = torch.tensor([1e15, 0.0, 0.0, 1.0])
+    assert train.check_rewards(fits) is fits  # fits: fine, and its advantages are finite
+    advantages, _ = variants.recipe(Config(group_size=4)).advantages(fits, torch.Generator().manual_seed(0))
+    assert torch.isfinite(advantages).all() and advantages[0] > 0

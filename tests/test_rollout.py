@@ -118,11 +118,11 @@ def test_eos_is_kept_and_tokens_after_it_are_masked():
     assert ro.completion_ids.shape[1] == 3  # stops once every row has ended
     assert ro.truncated.tolist() == [False, False, False]
     # In the loss, the EOS token carries gradient and the masked positions none.
-    from objective import policy_loss
+    from objective import LossInput, policy_loss
 
     logp = torch.zeros(3, 3, requires_grad=True)
     A = torch.tensor([1.0, -1.0, 0.5])
-    policy_loss(logp, logp.detach(), logp.detach(), None, A, ro.completion_mask)[0].backward()
+    policy_loss(LossInput(logp, logp.detach(), logp.detach(), None, A, ro.completion_mask))[0].backward()
     assert (logp.grad[ro.completion_mask.bool()] != 0).all() and (logp.grad[~ro.completion_mask.bool()] == 0).all()
     short = generate(
         lm,
