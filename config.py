@@ -122,8 +122,8 @@ class Config:
     )
     sample_rows: int | None = arg(
         None,
-        "most rows (completions) per generate call when a refresh samples its cycle; default: on CUDA as many as "
-        "fit half of what the process may use (engine.policy.auto_sample_rows), elsewhere the whole cycle in one call",
+        "most rows (completions) per generate call when a step draws ahead; default: on CUDA as many as "
+        "fit half of what the process may use (engine.policy.auto_sample_rows), elsewhere all the rows in one call",
     )
     sampling: str = arg(
         "auto",
@@ -144,7 +144,7 @@ class Config:
     red: str = arg(
         "none", "data shaping of [B]: none, drop (RED-Drop), weight (RED-Weight)", ["none", "drop", "weight"]
     )
-    red_tau: float = arg(1.0, "tau of RED-Weight, A <- A * exp(A / tau)")
+    red_tau: float = arg(1.0, "RED-Weight's scale: A <- A * exp(A / red_tau)")
     reward_shuffle: bool = arg(
         False,
         "a null control for experiments: deal the step's N rewards to its samples in "

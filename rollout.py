@@ -3,7 +3,7 @@
 `generate` samples with a KV cache, token by token, from softmax(logits / temperature), cut to the kept set of
 --top-k / --top-p / --min-p and renormalised (logprobs.sampling_logits), with an explicit torch.Generator so that
 runs are reproducible (`sample` is the loop, `next_token` its step). `generate_batches` samples the batches a step
-draws ahead (a refresh cycle's v, or a constant lag's next one) in as few calls as a row cap allows
+draws ahead (a refresh's v, or a constant lag's next one) in as few calls as a row cap allows
 (train.sample_ahead); a `Queue` holds them until their steps.
 
 Layout of a batch (the convention every other file uses):
@@ -75,7 +75,7 @@ class Sampled:
 @dataclass
 class Queue:
     """The batches drawn ahead, one a step: those of steps start, start + 1, ..., end - 1, each with the step
-    whose weights sampled it. One queue, two schedules fill it (train.steps_to_draw): a refresh cycle every v
+    whose weights sampled it. One queue, two schedules fill it (train.steps_to_draw): a refresh every v
     steps, or a constant lag s. Checkpoints hold it: its batches came from weights the current ones cannot
     reproduce."""
 
@@ -208,11 +208,11 @@ def next_token(
     pad_token_id: int,
     generator: torch.Generator | None,
     ignore_eos: bool,
-    draw: Callable[[torch.Tensor, torch.Generator | None], torch.Tensor] = sample_multinomial,
+    pick: Callable[[torch.Tensor, torch.Generator | None], torch.Tensor] = sample_multinomial,
     check_finite: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """Every sampling loop's step, from the next-token logits (N, V): y_t ~ alpha(. | prefix), the softmax of
-    sampling_logits (logits / temperature, cut to the kept set), drawn by `draw(probs, generator)` (the
+    sampling_logits (logits / temperature, cut to the kept set), picked by `pick(probs, generator)` (the
     argmax of the logits at temperature 0). `alive` and `lengths` (N,) are the rows' state before the step.
 
     Returns (token, logp, entropy, alive, lengths), each (N,): y_t (pad once a row has ended), log alpha(y_t) and
@@ -226,7 +226,7 @@ def next_token(
     # Float32 from here on: log alpha(y_t) is the IS ratio's denominator (--alpha-logp-from sampler).
     logp_all = torch.log_softmax(sampling_logits(logits, temperature, truncation), dim=-1)  # (N, V) log alpha
     probs = logp_all.exp()  # (N, V) alpha; a token outside the kept set has p = 0
-    nxt = draw(probs, generator) if temperature > 0 else logits.argmax(dim=-1)  # (N,)
+    nxt = pick(probs, generator) if temperature > 0 else logits.argmax(dim=-1)  # (N,)
     # Nothing cut (temperature 0 scores the whole distribution): every log alpha is finite, the entropy one dot product.
     kept_all = temperature <= 0 or truncation is None or not truncation.cuts
     entropy = entropy_of(logp_all, probs, kept_all)  # (N,)

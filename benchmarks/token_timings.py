@@ -100,7 +100,7 @@ def token_timings(cfg, model, tok, prompt_ids: torch.Tensor, tokens: int = 32, r
                 **step,
                 generator=generator,
                 ignore_eos=True,
-                draw=sample_exponential_race,
+                pick=sample_exponential_race,
                 check_finite=False,
             ),
             10 * repeats,

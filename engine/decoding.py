@@ -454,7 +454,7 @@ def sample_static(
             logits = dec.decode(model, tokens[-1])  # (N, V)
         # Eager, after the replay (the graph holds the forward alone); check_finite=False: no host sync a step.
         nxt, logp, entropy, alive, lengths = STEP.next_token(
-            logits, alive, lengths, draw=sample_exponential_race, check_finite=False, **step
+            logits, alive, lengths, pick=sample_exponential_race, check_finite=False, **step
         )
         tokens.append(nxt)
         logps.append(logp)

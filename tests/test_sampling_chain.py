@@ -64,7 +64,7 @@ def test_next_token_is_the_textbook_step(dtype, temperature, truncation, draw, a
             pad_token_id=0,
             generator=torch.Generator().manual_seed(11),
             ignore_eos=False,
-            draw=sample_multinomial if draw == "multinomial" else sample_exponential_race,
+            pick=sample_multinomial if draw == "multinomial" else sample_exponential_race,
         )
     token, logp, entropy = textbook_step(
         logits, alive, temperature, truncation, torch.Generator().manual_seed(11), draw
@@ -233,7 +233,7 @@ def sampling_step(logits, temperature=1.0, truncation=None):
         pad_token_id=0,
         generator=torch.Generator().manual_seed(0),
         ignore_eos=False,
-        draw=sample_exponential_race,
+        pick=sample_exponential_race,
         check_finite=False,
     )
 

@@ -7,7 +7,9 @@
                      mis, m2po
     reinforce.py     [B]'s losses in place of the surrogate: rec, rec-is, opmd
 
-Importing the package registers every unit, in this order: the order their chains run, the first outermost.
+Importing the package registers every unit: corrections.py's, reinforce.py's, then shaping.py's, each file top
+to bottom. That is the order their chains run, the first outermost (a stage's units never depend on another
+file's: corrections and [B]'s losses never meet, and only shaping.py's and opmd wrap the advantages).
 """
 
 from variants import corrections, reinforce, shaping  # noqa: F401  (registers the units)

@@ -32,7 +32,6 @@ import torch
 from objective import LossInput, aggregate, kl_penalty, masked_mean, neutral_outside
 from variants.registry import Variant, register
 
-
 IS_LEVELS = ("token", "sequence", "geometric")
 
 
