@@ -251,9 +251,9 @@ def test_a_run_whose_every_update_was_not_finite_says_so_and_exits_3(tmp_path, w
     # Issue 51: 2 steps, both non-finite, are no streak of 3; the run used to end with status 0 and no word.
     real = train.update
 
-    def nan_update(cfg, policy, opt, batch, ref_logp):
+    def nan_update(cfg, policy, opt, batch, ref_logp, **kw):
         batch.advantages = batch.advantages * float("nan")  # as the test above: the update is skipped
-        return real(cfg, policy, opt, batch, ref_logp)
+        return real(cfg, policy, opt, batch, ref_logp, **kw)
 
     monkeypatch.setattr(train, "update", nan_update)
     args = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--eval-size", "4", "--no-progress"]

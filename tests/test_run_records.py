@@ -323,10 +323,10 @@ def test_a_bad_line_before_the_last_is_named_and_a_torn_last_one_dropped(tmp_pat
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 0}\n[1, 2]\n{"step": 2}\n')
-    writer = resumable(out, 2)
+    before = (out / "metrics.jsonl").read_bytes()
     with pytest.raises(ConfigError, match=r"metrics.jsonl:2: not a JSON object; the run's metrics.jsonl is damaged"):
-        writer.truncate_metrics(2)
-    writer.close()
+        resumable(out, 2)  # read at the open, before anything is written (issue 55): nothing was truncated
+    assert (out / "metrics.jsonl").read_bytes() == before
     (out / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "rew')
     writer = resumable(out, 2)
     writer.truncate_metrics(2)
