@@ -28,6 +28,7 @@ from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_
 from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
 
 import objective  # noqa: E402
+from bookkeeping.diagnostics import staleness_stats  # noqa: E402
 from integrations import verl_grpo  # noqa: E402
 from objective import policy_loss  # noqa: E402
 from variants import corrections, reinforce  # noqa: E402
@@ -52,12 +53,16 @@ def set_batch_info(cfg: ActorConfig, mask: torch.Tensor, n_seqs: int, dp_size: i
 
 
 def objective_agg(mode: str, n: int, t: int) -> dict:
-    """objective.py's aggregation arguments equal to verl's `mode` (see the module docstring)."""
+    """objective.py's aggregation and Z equal to verl's `mode` (see the module docstring): {"agg", "total"}."""
     return {
-        "token-mean": {"agg": "token-mean"},
+        "token-mean": {"agg": "token-mean", "total": None},
         "seq-mean-token-mean": {"agg": "seq-mean", "total": float(n)},
-        "seq-mean-token-sum-norm": {"agg": "constant", "max_new_tokens": t},
+        "seq-mean-token-sum-norm": {"agg": "constant", "total": float(n * t)},
     }[mode]
+
+
+def loss_input(logp, alpha_logp, pi_k_logp, adv, mask, total=None) -> objective.LossInput:
+    return objective.LossInput(logp, alpha_logp, pi_k_logp, None, adv, mask, total)
 
 
 def random_batch(seed: int, n: int = 8, t: int = 6, stale: bool = True):
@@ -137,17 +142,13 @@ def test_offpolicy_grpo_equals_objective_policy_loss(mode, seed):
     loss, metrics, grad = verl_call("offpolicy_grpo", log_prob, old, weights, adv, mask, mode, cfg)
 
     logp = log_prob.clone().requires_grad_(True)
+    agg = objective_agg(mode, n, t)
     ref_loss, stats = policy_loss(
-        logp,
-        sampler_alpha_logp(old, weights),
-        old,
-        None,
-        adv,
-        mask,
+        loss_input(logp, sampler_alpha_logp(old, weights), old, adv, mask, agg["total"]),
         clip_eps=0.2,
         clip_eps_high=0.28,
         clip_center="pi_k",
-        **objective_agg(mode, n, t),
+        agg=agg["agg"],
     )
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-7, atol=1e-9)
@@ -155,7 +156,7 @@ def test_offpolicy_grpo_equals_objective_policy_loss(mode, seed):
     # The batch exercises both sides of the clip, so a wrong centre or width changes the result.
     assert stats["clip_low"] > 0 and stats["clip_high"] > 0
     assert metrics["actor/pg_clipfrac"] == pytest.approx(stats["clip_low"] + stats["clip_high"])
-    mismatch = corrections.staleness_stats(sampler_alpha_logp(old, weights), old, mask)
+    mismatch = staleness_stats(sampler_alpha_logp(old, weights), old, mask)
     assert metrics["actor/rho_prime_mean"] == pytest.approx(mismatch["rho_prime_mean"])
     assert metrics["actor/rho_prime_max"] == pytest.approx(mismatch["rho_prime_max"])
 
@@ -177,7 +178,7 @@ def test_rollout_correction_settings_give_untruncated_token_rho_prime():
     set_batch_info(cfg, mask, mask.shape[0])
     loss, _, grad = verl_call("offpolicy_grpo", log_prob, old, w, adv, mask, "token-mean", cfg)
     logp = log_prob.clone().requires_grad_(True)
-    ref_loss, _ = policy_loss(logp, rollout_log_prob, old, None, adv, mask, clip_eps=0.2, clip_eps_high=0.28)
+    ref_loss, _ = policy_loss(loss_input(logp, rollout_log_prob, old, adv, mask), clip_eps=0.2, clip_eps_high=0.28)
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-7, atol=1e-9)
     torch.testing.assert_close(grad, logp.grad, rtol=1e-7, atol=1e-9)
@@ -227,11 +228,12 @@ def test_b_losses_equal_objective(name, stale, mode):
     logp = log_prob.clone().requires_grad_(True)
     alpha_logp = sampler_alpha_logp(old, weights)
     agg = objective_agg(mode, n, t)
+    x = loss_input(logp, alpha_logp, old, adv, mask, agg["total"])
     if name == "opmd":
-        ref_loss, _ = opmd_loss(logp, alpha_logp, adv, mask, tau_reg=0.3, **agg)
+        ref_loss, _ = opmd_loss(x, tau_reg=0.3, agg=agg["agg"])
     else:
         ref_loss, stats = rec_loss(
-            logp, alpha_logp, adv, mask, clip_eps=0.2, clip_eps_high=0.28, importance_weight=name == "rec_is", **agg
+            x, clip_eps=0.2, clip_eps_high=0.28, importance_weight=name == "rec_is", agg=agg["agg"]
         )
         assert stats["clip_low"] + stats["clip_high"] > 0  # the one-sided mask drops tokens on this batch
         assert metrics["actor/pg_clipfrac"] == pytest.approx(stats["clip_low"] + stats["clip_high"])
@@ -246,7 +248,7 @@ def test_opmd_default_tau_is_objective_default():
     cfg = actor_config()  # policy_loss.dro_beta unset
     set_batch_info(cfg, mask, mask.shape[0])
     loss, _, _ = verl_call("opmd", log_prob, old, weights, adv, mask, "token-mean", cfg)
-    ref_loss, _ = opmd_loss(log_prob, sampler_alpha_logp(old, weights), adv, mask)
+    ref_loss, _ = opmd_loss(loss_input(log_prob, sampler_alpha_logp(old, weights), old, adv, mask))
     torch.testing.assert_close(loss, ref_loss, rtol=1e-7, atol=1e-9)
 
 
@@ -431,18 +433,10 @@ def test_masks_equal_objective_policy_loss(mode, which, monkeypatch):
         assert 0 < int((mask & ~opsm).sum()) < int(mask.sum())
         assert metrics["actor/opsm_masked_frac"] == pytest.approx((mask & ~opsm).sum().item() / mask.sum().item())
     logp = log_prob.clone().requires_grad_(True)
-    ref_loss, _ = policy_loss(
-        logp,
-        alpha,
-        old,
-        None,
-        adv,
-        mask,
-        clip_eps=0.2,
-        clip_eps_high=0.28,
-        keep_objective=keep,
-        **objective_agg(mode, n, t),
-    )
+    agg = objective_agg(mode, n, t)
+    adv_kept = torch.where(keep, adv.unsqueeze(1), torch.zeros_like(adv.unsqueeze(1)))  # (N, T) as the OPSM unit
+    x = loss_input(logp, alpha, old, adv_kept, mask, agg["total"])
+    ref_loss, _ = policy_loss(x, clip_eps=0.2, clip_eps_high=0.28, agg=agg["agg"])
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-7, atol=1e-9)
     torch.testing.assert_close(grad, logp.grad, rtol=1e-7, atol=1e-9)
