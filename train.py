@@ -64,6 +64,7 @@ from config import Config, ConfigError, config_from_args, parse_args, validate
 from engine.chunked_logprobs import chunked_token_logprobs
 from engine.compiled import compile_hot_paths
 from engine.decoding import sampling_path, static_loop
+from engine.memory import plan_line
 from engine.policy import Models, auto_micro_batch, auto_sample_rows, autocast, load_policy, make_models
 from engine.queue_fit import check_queue_fits
 from objective import LossInput, aggregation_total
@@ -395,10 +396,12 @@ def train(cfg: Config) -> dict:
         if cfg.compile:  # the fast sampler's step and the head's chunk functions, compiled at their first calls
             compile_hot_paths()
         check_queue_fits(cfg, tokenizer, train_set, torch.device(cfg.device))  # a queue that cannot fit: refused
+        plan = plan_line(cfg, models.policy, tokenizer, train_set, heldout)  # every byte of a step, predicted
         picked = newest_intact(cfg, writer) if cfg.resume else None  # verified; a --steps below the run's refused
         # Every check that can refuse the run has passed: --overwrite now sets the old run aside, the new one starts.
         writer.open({"reward_names": rewards.names, **prompt_record(tokenizer, train_set[0])})
         writer.log(f"sampling path: {sampling_path(models.policy, cfg.fast)}; {schedule_line(cfg, recipe)}")
+        writer.log(plan)
         gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)  # the sampling generator
         stream = PromptStream(train_set, cfg.seed)
         draw = Draw(cfg, tokenizer, stream, rewards, torch.device(cfg.device))  # the prompts of the steps drawn

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from bookkeeping.run_io import current_memory_gb, peak_memory_gb
+from bookkeeping.run_io import current_memory_gb, peak_memory_gb, peak_reserved_gb
 from problems.user_rewards import LOGGED, Scores
 
 
@@ -42,6 +42,7 @@ def metrics_row(step: int, res, group_size: int, wall_s: float, step_s: float, d
         "t_update": t["update"],
         "tokens_per_s": n_tok / step_s,
         "peak_mem_gb": peak_memory_gb(device),
+        "peak_reserved_gb": peak_reserved_gb(device),  # CUDA: what an out-of-memory is decided against
         "mem_gb": current_memory_gb(device),
     }
 

@@ -288,3 +288,13 @@ def memory_plan(
     items.append(("update", f"activations of a micro-batch of {mb} rows x {length} tokens", mb * length * act))
     items.append(("update", "the LM head's chunks and grad_w", P.head_bytes(config)))
     return Plan(items, budget, mb, rows_per_call, kept)
+
+
+def plan_line(cfg, model, tokenizer, train_set, heldout) -> str:
+    """The run's start: the plan's last line (the predicted peak, and on CUDA whether it fits), for its log."""
+    from engine.queue_fit import longest_prompt  # here, as in memory_plan
+
+    plan = memory_plan(
+        cfg, model, longest_prompt(tokenizer, train_set), eval_prompt_len=longest_prompt(tokenizer, heldout)
+    )
+    return f"memory plan: {plan.lines()[-1]}"

@@ -34,9 +34,7 @@ def check_queue_fits(cfg: Config, tokenizer, train_set, device: torch.device) ->
     held = min(cfg.lag + 1 if cfg.lag is not None else cfg.offpolicy_steps, cfg.steps)  # none past the last step
     if held == 1:
         return  # on-policy: the step's own batch, as any run holds
-    texts = [render_prompt(tokenizer, p) for p in train_set]
-    longest = max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
-    per_batch = queue_batch_bytes(cfg, longest)
+    per_batch = queue_batch_bytes(cfg, longest_prompt(tokenizer, train_set))
     free = available_bytes(device) if device.type == "cuda" else host_available_bytes()
     if held * per_batch > free / 2:
         flag = f"--lag {cfg.lag}" if cfg.lag is not None else f"--offpolicy-steps {cfg.offpolicy_steps}"
@@ -54,3 +52,9 @@ def host_available_bytes() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024  # kB
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def longest_prompt(tokenizer, problems) -> int:
+    """The most tokens a rendered prompt of `problems` takes (P of a batch at most)."""
+    texts = [render_prompt(tokenizer, p) for p in problems]
+    return max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
