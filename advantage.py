@@ -10,7 +10,7 @@ after Shao et al. 2024):
 
 Groups whose rewards are all equal carry no learning signal (every A_i is 0). With
 `mask_zero_std` they are marked invalid so that the caller drops their tokens from the loss
-*and from its normalizer*; otherwise they would dilute the mean of the groups that do carry
+*and from its normaliser*; otherwise they would dilute the mean of the groups that do carry
 signal ([A] Sec. 5 shows the masking matters).
 
 [B] (Yao et al. 2025) shapes the same advantages (AsymRE, RED-Drop, RED-Weight): those are

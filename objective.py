@@ -108,7 +108,7 @@ def surrogate(
     A = token_advantages(x.advantages, x.loss_mask, x.logp.dtype)  # (N, 1) or (N, T)
     rho = torch.exp(x.logp - alpha_logp)  # (N, T) carries the gradient
     # (N, T) 1 at a refresh, where alpha = pi_k: exactly when log alpha is the trainer's own forward (the default,
-    # --alpha-logp-from recompute), only approximately with --alpha-logp-from sampler (the sampler's numerics)
+    # --alpha-logp-from recompute), only approximately with --alpha-logp-from sampler (the sampling loop's numerics)
     rho_prime = torch.exp(pi_k_logp - alpha_logp)
     lo, hi = clip_interval(rho_prime, clip_center, clip_eps, eps_high)  # (N, T) each
     unclipped = rho * A  # (N, T)

@@ -31,9 +31,9 @@ pytestmark = pytest.mark.model
 TOLERANCE = 1e-3  # the largest relative gap of the two updates: float32 rounding, accumulated over the steps
 
 
-def textbook_step(cfg: Config, policy, opt, ref, tokenizer, k: int, gen, cycle: list | None, draw) -> list:
+def textbook_step(cfg: Config, policy, opt, ref, tokenizer, k: int, gen, period: list | None, draw) -> list:
     """Step k of Algorithm 1 on [A]'s loss, one batch at once, float32. `ref` is pi_ref (None when beta = 0);
-    `draw(k, n)` gives steps k, ..., k + n - 1's (prompt_ids, prompt_mask, reward_fn); `cycle` is the previous
+    `draw(k, n)` gives steps k, ..., k + n - 1's (prompt_ids, prompt_mask, reward_fn); `period` is the previous
     call's result (None at first). Not here: --ref-refresh, --red, --reward-shuffle, --asymre-shift, --is-cap,
     --is-mask, the decoupled clip, [B]'s losses, --alpha-logp-from sampler."""
     v, G = cfg.offpolicy_steps, cfg.group_size
@@ -50,7 +50,7 @@ def textbook_step(cfg: Config, policy, opt, ref, tokenizer, k: int, gen, cycle: 
             policy,
             [(ids, mask) for ids, mask, _ in draws],
             group_size=G,
-            max_rows=cfg.sample_rows or 10**9,  # the default on a CPU: the whole cycle in one call
+            max_rows=cfg.sample_rows or 10**9,  # the default on a CPU: the whole refresh period in one call
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
             truncation=cfg.truncation,
@@ -59,14 +59,14 @@ def textbook_step(cfg: Config, policy, opt, ref, tokenizer, k: int, gen, cycle: 
             generator=gen,
         )
         with torch.no_grad():
-            cycle = [(ro, reward_fn(ro), logp_of(policy, ro)) for ro, (_, _, reward_fn) in zip(rollouts, draws)]
-    ro, rewards, alpha_logp = cycle[k % v]
+            period = [(ro, reward_fn(ro), logp_of(policy, ro)) for ro, (_, _, reward_fn) in zip(rollouts, draws)]
+    ro, rewards, alpha_logp = period[k % v]
 
     # 4. group-relative advantages; the groups whose rewards are all equal leave the loss
     advantages, valid = group_advantages(rewards, G, mask_zero_std=cfg.mask_zero_std)  # (N,) each
     loss_mask = ro.completion_mask * valid[:, None]  # (N, T)
     if loss_mask.sum() == 0:
-        return cycle  # no group carries signal: no update
+        return period  # no group carries signal: no update
 
     # 5. log pi_ref, a constant
     with torch.no_grad():
@@ -92,7 +92,7 @@ def textbook_step(cfg: Config, policy, opt, ref, tokenizer, k: int, gen, cycle: 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
         opt.step()
-    return cycle
+    return period
 
 
 def draws(cfg, tokenizer):
@@ -117,11 +117,11 @@ def run_both(cfg, steps, break_reference=None):
     engine, reference = make_models(cfg, copy.deepcopy(policy)), make_models(cfg, copy.deepcopy(policy))
     gen_e, gen_r = (torch.Generator().manual_seed(cfg.seed) for _ in range(2))
     draw_e, draw_r = draws(cfg, tokenizer), draws(cfg, tokenizer)
-    cycle_e = cycle_r = None
+    period_e = period_r = None
     for k in range(steps):
-        _, cycle_e = train.grpo_step(cfg, engine, tokenizer, k, gen_e, cycle_e, draw_e)
-        cycle_r = textbook_step(
-            cfg, reference.policy, reference.opt, reference.ref, tokenizer, k, gen_r, cycle_r, draw_r
+        _, period_e = train.grpo_step(cfg, engine, tokenizer, k, gen_e, period_e, draw_e)
+        period_r = textbook_step(
+            cfg, reference.policy, reference.opt, reference.ref, tokenizer, k, gen_r, period_r, draw_r
         )
         if break_reference is not None:
             break_reference(reference, k)
