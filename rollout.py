@@ -46,7 +46,7 @@ class Rollout:
     prompt_mask: torch.Tensor  # (N, P)
     completion_ids: torch.Tensor  # (N, T) sampled tokens, pad after EOS
     completion_mask: torch.Tensor  # (N, T) 1 up to and including EOS
-    sampler_logp: torch.Tensor  # (N, T) log alpha(y_t) as the sampling loop computed it, KV cache and all (0 where masked)
+    sampler_logp: torch.Tensor  # (N, T) log alpha(y_t) as the sampling loop computed it (0 where masked)
     entropy: torch.Tensor  # (N, T) entropy of alpha(. | prefix) at each sampled position
     truncated: torch.Tensor  # (N,) True if the completion hit max_new_tokens without EOS
 
@@ -65,7 +65,8 @@ class Sampled:
 
     rollout: Rollout
     rewards: torch.Tensor  # (N,)
-    # (N, T) log alpha: a forward of alpha when it sampled (--alpha-logp-from recompute) or the sampling loop's record. None
+    # (N, T) log alpha: a forward of alpha when it sampled (--alpha-logp-from recompute) or the sampling loop's
+    # record. None
     # under recompute for a batch sampled at its own step: alpha is pi_k there, whose log-probs the update's first
     # forward gives (train.update).
     alpha_logp: torch.Tensor | None
