@@ -284,6 +284,8 @@ class TIS(Decoupled):
     """Truncated importance sampling: the decoupled objective with w = min(rho^L, C) (`correction_args`)."""
 
     def __init__(self, is_cap: float, is_level: str):
+        if not is_cap >= 1.0:  # a cap below 1 would shrink on-policy tokens (rho' = 1) too
+            raise ValueError(f"is_cap must be >= 1, got {is_cap}")
         self.is_cap, self.is_level = is_cap, is_level
 
     @classmethod
