@@ -19,7 +19,7 @@ from tqdm import tqdm
 from bookkeeping.checkpoint import rng_state, save_checkpoint, set_rng_state
 from bookkeeping.diagnostics import sampler_mismatch
 from bookkeeping.evaluation import eval_line, evaluation, logged_rows
-from bookkeeping.failures import Diverged, check_finite_weights, signals_wait, stop_if_diverged
+from bookkeeping.failures import Diverged, check_finite_weights, signals_wait, stop_if_collapsed, stop_if_diverged
 from bookkeeping.metrics import metrics_row, reward_metrics, show
 from bookkeeping.resume import restore, run_state
 from bookkeeping.run_io import RunWriter
@@ -196,6 +196,7 @@ class Harness:
         summary = {f"{key}_{when}": m.get(key) for key in end for when, m in (("start", start), ("end", end))}
         summary.update(steps=cfg.steps, wall_s=self.wall(), eval_size=len(self.heldout), out=str(self.writer.out))
         self.writer.log(eval_line(cfg, end, len(self.heldout), start=start))
+        stop_if_collapsed(self.writer.out, start, end)  # a collapsed policy does not end successfully (exit 3)
         if cfg.compile:
             self.writer.log(compile_line())
         with signals_wait():
