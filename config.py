@@ -416,6 +416,9 @@ def config_from_args(args: argparse.Namespace, given: set[str] | None = None) ->
         saved = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"--resume: {path} cannot be read ({e})") from None
+    from bookkeeping.manifest import config_record  # here: bookkeeping imports config
+
+    saved = config_record(saved, path)  # the known fields, each of its type, or one line naming the field
     known = {f.name for f in fields(Config)}
     cfg = Config(**{k: v for k, v in saved.items() if k in known})
     changed = [
