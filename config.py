@@ -181,6 +181,18 @@ class Config:
     opsm_delta: float | None = arg(
         None, "OPSM (TRL's off_policy_mask_threshold): no surrogate for A < 0 and a mean log alpha/pi_theta above"
     )
+    m2po_clip_threshold: float | None = arg(
+        None, "M2PO as its authors run it (0.04): M2 over the tokens moved the way A pushes sets a clip around alpha"
+    )
+    m2po_clip_floor: bool = arg(
+        False, "floor --m2po-clip-threshold's interval at [0.7, 1.5] (off in the authors' runs)"
+    )
+    m2po_quadrant_threshold: float | None = arg(
+        None, "M2PO paper's final mask (0.04): active-quadrant tokens of largest M2 lose their term, kept in Z"
+    )
+    dppo_delta: float | None = arg(
+        None, "DPPO (prime-rl's default; 0.2): no term where pi_theta - alpha moved past delta the way A pushes"
+    )
     kl_estimator: str = arg(
         "k3", "KL estimator: k1 = log(pi_theta/pi_ref), k2 = k1^2 / 2, k3 (Schulman)", ["k1", "k2", "k3"]
     )
@@ -617,6 +629,22 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"--m2-threshold {cfg.m2_threshold}: M2PO needs --loss grpo and a threshold > 0")
     if cfg.opsm_delta is not None and (cfg.loss != "grpo" or not cfg.opsm_delta >= 0):
         raise ConfigError(f"--opsm-delta {cfg.opsm_delta}: OPSM needs --loss grpo and a delta >= 0")
+    if cfg.m2po_clip_threshold is not None and (cfg.loss != "grpo" or not cfg.m2po_clip_threshold > 0):
+        raise ConfigError(f"--m2po-clip-threshold {cfg.m2po_clip_threshold}: needs --loss grpo and a budget > 0")
+    if cfg.m2po_quadrant_threshold is not None and (cfg.loss != "grpo" or not cfg.m2po_quadrant_threshold > 0):
+        raise ConfigError(f"--m2po-quadrant-threshold {cfg.m2po_quadrant_threshold}: needs --loss grpo and a tau > 0")
+    if cfg.dppo_delta is not None and (cfg.loss != "grpo" or not cfg.dppo_delta >= 0):
+        raise ConfigError(f"--dppo-delta {cfg.dppo_delta}: DPPO needs --loss grpo and a delta >= 0")
+    trust = [
+        f
+        for f in ("m2_threshold", "m2po_clip_threshold", "m2po_quadrant_threshold", "dppo_delta")
+        if getattr(cfg, f) is not None
+    ]
+    if len(trust) > 1:
+        raise ConfigError(
+            f"--{trust[0].replace('_', '-')} and --{trust[1].replace('_', '-')}: one M2PO form or DPPO at a time"
+        )
+    own_trust = next((f for f in trust if f != "m2_threshold"), None)  # a unit with its own clip (corrections.py)
     if cfg.is_level != "token" and cfg.is_cap is None and cfg.is_mask is None:
         raise ConfigError(f"--is-level {cfg.is_level} sets what --is-cap / --is-mask act on; neither is set")
     if cfg.ref_refresh and cfg.beta == 0:
@@ -631,6 +659,11 @@ def validate(cfg: Config) -> None:
         ("kl_estimator", cfg.beta == 0 or cfg.loss != "grpo", "the KL estimator needs --loss grpo and --beta > 0"),
         ("kl_importance_weight", cfg.beta == 0 or cfg.loss != "grpo", "it weights the KL term (--beta > 0)"),
         ("tau_reg", cfg.loss != "opmd", "--tau-reg is OPMD's regulariser (--loss opmd)"),
+        *[
+            (name, own_trust is not None, f"--{str(own_trust).replace('_', '-')} sets its own trust region")
+            for name in ("clip_center", "clip_eps", "clip_eps_high")
+        ],
+        ("m2po_clip_floor", cfg.m2po_clip_threshold is None, "it floors the clip of --m2po-clip-threshold"),
         ("red_tau", cfg.red != "weight", "--red-tau is RED-Weight's temperature (--red weight)"),
         ("warmup_steps", cfg.model != "tiny", "--warmup-steps warms up the built-in policy (--model tiny)"),
         ("lora_alpha", cfg.lora_rank == 0, "--lora-alpha scales a LoRA adapter (--lora-rank > 0)"),

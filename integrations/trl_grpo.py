@@ -46,6 +46,10 @@ masked sequences keep their KL term and their place in Z); m2_threshold is M2PO 
 the whole optimizer step, its GA slices on every rank: at the step's first slice a no-grad pass gives log pi_k of
 all of them (`_m2po_prepass`, as train.mask_prepass), and Z counts the kept tokens.
 
+m2po_clip_threshold (the M2PO authors' released algorithm), m2po_quadrant_threshold (the paper's final mask) and
+dppo_delta (DPPO's mask) are corrections.M2POClip / M2POQuadrant / DPPO, the innermost unit of `_loss`, each on
+the slice's tokens (a loss call: the authors' and ms-swift's granularity) with its own clip.
+
 Deviations from [A]: 1. log pi_k costs no pass (as in train.py; with m2_threshold on a stale step, one no-grad
 pass); 2. held-out accuracy is greedy (HF generate).
 Departures from stock GRPOTrainer: docs/trl.md, "The loss, against stock `GRPOTrainer`". Not supported (one-line
@@ -109,6 +113,24 @@ class OffPolicyGRPOConfig(GRPOConfig):
         },
     )
 
+    m2po_clip_threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "M2PO as its authors run it (0.04): M2 over the tokens moved the way A pushes sets a clip "
+            "around alpha (corrections.M2POClip)"
+        },
+    )
+    m2po_clip_floor: bool = field(
+        default=False, metadata={"help": "floor m2po_clip_threshold's interval at [0.7, 1.5] (off in their runs)"}
+    )
+    m2po_quadrant_threshold: float | None = field(
+        default=None,
+        metadata={"help": "the M2PO paper's final mask on the active quadrants (corrections.M2POQuadrant)"},
+    )
+    dppo_delta: float | None = field(
+        default=None, metadata={"help": "DPPO's probability-difference mask, prime-rl's default (corrections.DPPO)"}
+    )
+
     def __post_init__(self):
         v, ga = self.offpolicy_steps, self.gradient_accumulation_steps
         if v is not None and v < 1:
@@ -144,6 +166,7 @@ class OffPolicyGRPOConfig(GRPOConfig):
                 self.policy_loss == "grpo" or (self.m2_threshold is None and self.off_policy_mask_threshold is None),
                 "m2_threshold and off_policy_mask_threshold act on policy_loss='grpo' only",
             ),
+            *self._trust_region_checks(),
             (self.scale_rewards in ("group", "none"), "scale_rewards must be 'group' or 'none'"),
             (not unsupported, f"not supported, keep the default: {', '.join(unsupported)}"),
         ]
@@ -151,6 +174,21 @@ class OffPolicyGRPOConfig(GRPOConfig):
             if not ok:
                 raise ValueError(f"OffPolicyGRPOConfig: {msg}")
         self.offpolicy_steps = per_step
+
+    def _trust_region_checks(self) -> list[tuple[bool, str]]:
+        """The checks of m2po_clip_threshold, m2po_quadrant_threshold, dppo_delta (issue 57) and their company."""
+        forms = ("m2_threshold", "m2po_clip_threshold", "m2po_quadrant_threshold", "dppo_delta")
+        on = [f for f in forms if getattr(self, f) is not None]
+        own = [f for f in on if f != "m2_threshold"]  # the units with their own clip
+        return [
+            (self.m2po_clip_threshold is None or self.m2po_clip_threshold > 0, "m2po_clip_threshold must be > 0"),
+            (self.m2po_quadrant_threshold is None or self.m2po_quadrant_threshold > 0, "m2po_quadrant_threshold > 0"),
+            (self.dppo_delta is None or self.dppo_delta >= 0, "dppo_delta (DPPO) must be >= 0"),
+            (len(on) <= 1, f"{' and '.join(on)}: one M2PO form or DPPO at a time"),
+            (not own or self.policy_loss == "grpo", f"{', '.join(own)} act on policy_loss='grpo' only"),
+            (not own or self.clip_center == "pi_k", f"{', '.join(own)} set their own clip: leave clip_center"),
+            (not self.m2po_clip_floor or self.m2po_clip_threshold is not None, "m2po_clip_floor needs its threshold"),
+        ]
 
 
 def checksum(weights) -> str:
@@ -315,6 +353,10 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         for key, val, logged in zip(keys + ["offpolicy/rho_prime_max"], means + [g[:, 8].max().item()], on + [True]):
             if logged:
                 self._metrics[mode][key].append(val if seen else float("nan"))
+        for key in ("m2po_clip_lo", "m2po_clip_hi", "m2po_quadrant_masked_frac", "dppo_masked_frac"):  # issue 57
+            if key in st:  # a mean over the ranks of each rank's figure for this slice
+                figure = self.accelerator.gather(torch.tensor([float(st[key])], device=tok.device)).mean().item()
+                self._metrics[mode][f"offpolicy/{key}"].append(figure)
         return loss
 
     def _loss(self, x: objective.LossInput, sampling) -> tuple[torch.Tensor, dict]:
@@ -336,6 +378,9 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             unit = reinforce.OPMD(a.tau_reg) if unit is None else unit(self.epsilon_low, self.epsilon_high)
             return unit.loss(x, objective.policy_loss, **settings)
         inner = objective.policy_loss
+        own = self._trust_region_unit()
+        if own is not None:  # innermost, as in train.py's Recipe (registered after kl-is and opsm)
+            inner = partial(own.loss, inner=inner)
         if a.use_bias_correction_kl:  # kl_t * rho_t, rho = pi_theta / alpha with grad: TRL's coef_1
             kl_is = corrections.KLImportanceWeight(self.beta, "k3")
             inner = partial(kl_is.loss, inner=inner)
@@ -349,6 +394,17 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             return opsm.loss(x, inner=inner, **settings)
         back = lambda y, **s: inner(replace(y, alpha_logp=x.alpha_logp), **s)
         return opsm.loss(replace(x, alpha_logp=sampling), inner=back, **settings)
+
+    def _trust_region_unit(self):
+        """The unit of m2po_clip_threshold, m2po_quadrant_threshold or dppo_delta (at most one), else None."""
+        a = self.args
+        if a.m2po_clip_threshold is not None:
+            return corrections.M2POClip(a.m2po_clip_threshold, a.m2po_clip_floor)
+        if a.m2po_quadrant_threshold is not None:
+            return corrections.M2POQuadrant(a.m2po_quadrant_threshold)
+        if a.dppo_delta is not None:
+            return corrections.DPPO(a.dppo_delta)
+        return None
 
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint, plus this rank's buffered generation and micro-step counter (module docstring)."""

@@ -59,9 +59,15 @@ Deviations from objective.py:
      with one micro-batch a step on one rank), and the tokens it drops add 0 but stay in verl's normaliser, where
      train.py takes them out. OPSM is a per-sequence mask and keeps the normaliser in train.py and TRL too: it is
      exact here. verl's KL loss (use_kl_loss) is its own term and neither mask touches it.
+  6. M2PO as its authors run it, the M2PO paper's final mask and DPPO's mask (offpolicy_grpo only; one at a time,
+     not with M2PO's mask): OFFPOLICY_GRPO_M2PO_CLIP_THRESHOLD (and _M2PO_CLIP_FLOOR=1), _M2PO_QUADRANT_THRESHOLD,
+     _DPPO_DELTA, read as deviation 5's. Each is corrections' unit (M2POClip, M2POQuadrant, DPPO) with its own
+     clip in place of clip_ratio_low / _high, on the call's tokens, as the authors' and ms-swift's losses are; the
+     tokens the two masks drop add 0 and stay in verl's normaliser, as in train.py: exact here.
 """
 
 import os
+from functools import partial
 
 import numpy as np
 import torch
@@ -78,6 +84,9 @@ LOG_RATIO_BOUND = 20.0
 OPMD_TAU_DEFAULT = 0.1
 # Deviation 5: the staleness masks of offpolicy_grpo, read at each call
 M2_THRESHOLD_ENV, OPSM_DELTA_ENV = "OFFPOLICY_GRPO_M2_THRESHOLD", "OFFPOLICY_GRPO_OPSM_DELTA"
+# Deviation 6: M2PO's other forms and DPPO's mask (issue 57), each with its own clip; at most one, read at each call
+M2PO_CLIP_ENV, M2PO_CLIP_FLOOR_ENV = "OFFPOLICY_GRPO_M2PO_CLIP_THRESHOLD", "OFFPOLICY_GRPO_M2PO_CLIP_FLOOR"
+M2PO_QUADRANT_ENV, DPPO_DELTA_ENV = "OFFPOLICY_GRPO_M2PO_QUADRANT_THRESHOLD", "OFFPOLICY_GRPO_DPPO_DELTA"
 
 
 def _mask_settings() -> tuple[float | None, float | None]:
@@ -95,6 +104,56 @@ def _mask_settings() -> tuple[float | None, float | None]:
     return values[0], values[1]
 
 
+def _trust_region_unit():
+    """The unit of deviation 6 from the environment (corrections.M2POClip, M2POQuadrant or DPPO), None when none is
+    set. ValueError, one line, for a value that is not a number or out of range, two set at once (M2_THRESHOLD_ENV
+    included), or a floor without its threshold."""
+    values = {}
+    for name in (M2PO_CLIP_ENV, M2PO_QUADRANT_ENV, DPPO_DELTA_ENV):
+        text = os.environ.get(name, "").strip()
+        try:
+            values[name] = float(text) if text else None
+        except ValueError:
+            raise ValueError(f"{name}={text!r}: not a number") from None
+    floor_text = os.environ.get(M2PO_CLIP_FLOOR_ENV, "").strip()
+    if floor_text not in ("", "0", "1"):
+        raise ValueError(f"{M2PO_CLIP_FLOOR_ENV}={floor_text!r}: 1 (floor at [0.7, 1.5]) or 0")
+    on = [name for name, v in values.items() if v is not None]
+    on += [M2_THRESHOLD_ENV] if os.environ.get(M2_THRESHOLD_ENV, "").strip() else []
+    if len(on) > 1:
+        raise ValueError(f"{' and '.join(on)}: one M2PO form or DPPO at a time")
+    if floor_text == "1" and values[M2PO_CLIP_ENV] is None:
+        raise ValueError(f"{M2PO_CLIP_FLOOR_ENV} floors the clip of {M2PO_CLIP_ENV}, which is unset")
+    if values[M2PO_CLIP_ENV] is not None:
+        return corrections.M2POClip(values[M2PO_CLIP_ENV], floor_text == "1")
+    if values[M2PO_QUADRANT_ENV] is not None:
+        return corrections.M2POQuadrant(values[M2PO_QUADRANT_ENV])
+    if values[DPPO_DELTA_ENV] is not None:
+        return corrections.DPPO(values[DPPO_DELTA_ENV])
+    return None
+
+
+def _trust_region_loss(unit, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, weights):
+    """offpolicy_grpo with deviation 6's unit: objective.surrogate with the unit's own clip (its settings), on this
+    call's tokens (the authors' and ms-swift's granularity: a verl micro-batch), aggregated by verl; a token the
+    unit masks adds 0 and stays in verl's normaliser, as in train.py. OPSM (OPSM_DELTA_ENV) wraps it as in TRL."""
+    logp, alpha_logp, pi_k_logp, rho_prime, live = _logps(old_log_prob, log_prob, weights)
+    opsm_delta = _mask_settings()[1]
+    x = objective.LossInput(logp, alpha_logp, pi_k_logp, None, advantages, response_mask)
+    fractions = {}
+
+    def unit_surrogate(y: objective.LossInput, **settings):  # o_t with the unit's interval, aggregated as verl does
+        clip = {k: settings[k] for k in ("clip_eps", "clip_eps_high", "clip_center")}
+        o = objective.surrogate(y, **clip)  # (N, T)
+        fractions["pg_clipfrac"] = (o.clip_low | o.clip_high) & live
+        return _aggregate(-o.objective, live, response_mask, loss_agg_mode, config), {}
+
+    inner = partial(unit.loss, inner=unit_surrogate)
+    loss, st = inner(x) if opsm_delta is None else corrections.OPSM(opsm_delta).loss(x, inner=inner)
+    fractions |= {k: float(v) for k, v in st.items()}
+    return loss, _metrics(log_prob, old_log_prob, rho_prime, response_mask, **fractions)
+
+
 def _clip_widths(config) -> tuple[float, float]:
     """eps_low, eps_high from verl's stock ActorConfig: clip_ratio_low / high, else clip_ratio."""
     eps = config.get("clip_ratio", 0.2)
@@ -105,6 +164,10 @@ def _clip_widths(config) -> tuple[float, float]:
 
 def _no_masks(loss_mode: str) -> None:
     """[B]'s losses have no surrogate for M2PO or OPSM to mask: a mask set for them is an error, not a no-op."""
+    if _trust_region_unit() is not None:
+        raise ValueError(
+            f"{M2PO_CLIP_ENV} / {M2PO_QUADRANT_ENV} / {DPPO_DELTA_ENV} act on offpolicy_grpo, not {loss_mode}"
+        )
     if any(v is not None for v in _mask_settings()):
         raise ValueError(f"{M2_THRESHOLD_ENV} / {OPSM_DELTA_ENV} act on loss_mode=offpolicy_grpo only, not {loss_mode}")
 
@@ -166,6 +229,10 @@ def offpolicy_grpo_loss(
     actor/pg_clipfrac (tokens whose gradient the clip removed), actor/ppo_kl, actor/rho_prime_mean,
     actor/rho_prime_max.
     """
+    unit = _trust_region_unit()  # deviation 6: a unit with its own clip
+    if unit is not None:
+        args = (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+        return _trust_region_loss(unit, *args)
     eps_low, eps_high = _clip_widths(config)
     logp, alpha_logp, pi_k_logp, rho_prime, live = _logps(old_log_prob, log_prob, rollout_is_weights)
     m2_threshold, opsm_delta = _mask_settings()

@@ -316,3 +316,63 @@ def test_masks_refused_where_they_cannot_act(tmp_path):
     ]:
         with pytest.raises(ValueError, match=msg):
             OffPolicyGRPOConfig(**base, **bad)
+
+
+@pytest.mark.parametrize(
+    "field, value, flags, stat",
+    [
+        ("m2po_clip_threshold", 0.005, dict(m2po_clip_threshold=0.005), "m2po_clip_hi"),
+        ("m2po_quadrant_threshold", 0.005, dict(m2po_quadrant_threshold=0.005), "m2po_quadrant_masked_frac"),
+        ("dppo_delta", 0.02, dict(dppo_delta=0.02), "dppo_masked_frac"),
+    ],
+)
+def test_m2po_forms_and_dppo_are_the_loops_units(policy_dir, tmp_path, field, value, flags, stat):
+    """Issue 57: m2po_clip_threshold, m2po_quadrant_threshold and dppo_delta give the loop's loss
+    (variants.Recipe.loss with --m2po-clip-threshold, --m2po-quadrant-threshold, --dppo-delta) on the same slice, in
+    value and gradient, and log the unit's figure; tests/test_m2po_forms.py pins each unit to its float loop."""
+    trainer = make_trainer(policy_dir, tmp_path, offpolicy_steps=3, **{field: value})
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions(rows(trainer, 8))
+    cmask = batch["completion_mask"]
+    batch["old_per_token_logps"] = noisy(batch["old_per_token_logps"], cmask, seed=2)  # a staler alpha
+    trainer._set_step_normalisers([batch], group=1)
+    trainer.model.zero_grad()
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    grads = [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+    trainer.model.zero_grad()
+    adv, valid = group_advantages(trainer._rewards.sum(dim=1), G)
+    logp = chunked_token_logprobs(trainer.model, *sequences(batch), cmask, 1.0)
+    mask = cmask * valid.unsqueeze(1)
+    x = objective.LossInput(logp, batch["old_per_token_logps"], logp.detach(), None, adv, mask, float(mask.sum()))
+    recipe = variants.recipe(Config(**flags))
+    assert len(recipe.names) == 1
+    loop, st = recipe.loss(x)
+    loop.backward()
+    loop_grads = [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+    assert abs(loss.item() - loop.item()) < 1e-5
+    for g_trl, g_loop in zip(grads, loop_grads, strict=True):
+        torch.testing.assert_close(g_trl, g_loop, atol=1e-5, rtol=1e-4)
+    logged = trainer._metrics["train"][f"offpolicy/{stat}"][-1]
+    assert logged == pytest.approx(st[stat], rel=1e-5)
+    if stat == "m2po_clip_hi":
+        assert 1.0 <= logged < 1e5  # the budget bound on this slice
+    else:
+        assert logged > 0  # tokens masked on this slice
+    plain = variants.recipe(Config(clip_center="pi_k")).loss(x)[0].item()
+    assert abs(plain - loop.item()) > 1e-6  # the unit changed the loss
+
+
+def test_m2po_forms_and_dppo_refused_where_they_cannot_act(tmp_path):
+    base = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", num_generations=4)
+    for bad, msg in [
+        (dict(m2po_clip_threshold=0.0), "m2po_clip_threshold must be > 0"),
+        (dict(m2po_quadrant_threshold=-1.0), "m2po_quadrant_threshold > 0"),
+        (dict(dppo_delta=-0.1), "dppo_delta"),
+        (dict(dppo_delta=0.2, m2_threshold=0.04), "one M2PO form or DPPO at a time"),
+        (dict(policy_loss="rec", dppo_delta=0.2), "policy_loss='grpo' only"),
+        (dict(clip_center="alpha", m2po_clip_threshold=0.04), "set their own clip"),
+        (dict(m2po_clip_floor=True), "m2po_clip_floor needs its threshold"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            OffPolicyGRPOConfig(**base, **bad)

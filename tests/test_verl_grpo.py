@@ -8,6 +8,7 @@ it (global_batch_size = all N sequences of the mini-batch, loss_scale_factor uns
     seq-mean-token-sum-norm -> constant, max_new_tokens=T   (sum / (N * T), Dr. GRPO)
 """
 
+import functools
 import math
 import os
 import subprocess
@@ -462,3 +463,80 @@ def test_mask_settings_are_checked(monkeypatch):
     monkeypatch.setenv(verl_grpo.OPSM_DELTA_ENV, "0.1")
     with pytest.raises(ValueError, match="offpolicy_grpo only, not rec"):
         verl_call("rec", log_prob, old, weights, adv, mask, "token-mean", cfg)
+
+
+# --------------------------------------------------------------------------- M2PO's other forms and DPPO (deviation 6)
+
+TRUST_REGION_UNITS = {
+    "m2po-clip": (verl_grpo.M2PO_CLIP_ENV, 0.005, lambda: corrections.M2POClip(0.005)),
+    "m2po-clip-floor": (verl_grpo.M2PO_CLIP_ENV, 0.005, lambda: corrections.M2POClip(0.005, floor=True)),
+    "m2po-quadrant": (verl_grpo.M2PO_QUADRANT_ENV, 0.005, lambda: corrections.M2POQuadrant(0.005)),
+    "dppo": (verl_grpo.DPPO_DELTA_ENV, 0.02, lambda: corrections.DPPO(0.02)),
+}
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("opsm", [False, True])
+@pytest.mark.parametrize("which", list(TRUST_REGION_UNITS))
+def test_m2po_forms_and_dppo_equal_the_loops_units(mode, opsm, which, monkeypatch):
+    """offpolicy_grpo with OFFPOLICY_GRPO_M2PO_CLIP_THRESHOLD (and _FLOOR), _M2PO_QUADRANT_THRESHOLD or
+    _DPPO_DELTA equals the loop's unit (variants.corrections) around objective.policy_loss on the call's tokens, in
+    value and gradient, with OPSM outside it as in train.py's Recipe; tests/test_m2po_forms.py pins each unit to
+    its float loop."""
+    env, value, make = TRUST_REGION_UNITS[which]
+    log_prob, old, weights, adv, mask = random_batch(7, n=12)
+    n, t = mask.shape
+    monkeypatch.setenv(env, str(value))
+    if which == "m2po-clip-floor":
+        monkeypatch.setenv(verl_grpo.M2PO_CLIP_FLOOR_ENV, "1")
+    if opsm:
+        monkeypatch.setenv(verl_grpo.OPSM_DELTA_ENV, "0.02")
+    cfg = actor_config()
+    set_batch_info(cfg, mask, n)
+    loss, metrics, grad = verl_call("offpolicy_grpo", log_prob, old, weights, adv, mask, mode, cfg)
+
+    alpha = sampler_alpha_logp(old, weights)
+    logp = log_prob.clone().requires_grad_(True)
+    agg = objective_agg(mode, n, t)
+    x = loss_input(logp, alpha, old, adv.unsqueeze(1) * mask, mask, agg["total"])
+    settings = dict(clip_eps=0.2, clip_eps_high=0.28, clip_center="pi_k", beta=0.0, kl_estimator="k3", agg=agg["agg"])
+    unit = make()
+    inner = functools.partial(unit.loss, inner=policy_loss)
+    ref_loss, st = corrections.OPSM(0.02).loss(x, inner=inner, **settings) if opsm else inner(x, **settings)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(grad, logp.grad, rtol=1e-7, atol=1e-9)
+    for key in ("m2po_clip_lo", "m2po_clip_hi", "m2po_quadrant_masked_frac", "dppo_masked_frac", "opsm_masked_frac"):
+        if key in st:
+            assert metrics[f"actor/{key}"] == pytest.approx(st[key])
+    if which.startswith("m2po-clip"):
+        assert 1.0 <= st["m2po_clip_hi"] < 1e5
+    else:
+        assert st[f"{which.replace('-', '_')}_masked_frac"] > 0  # the mask dropped something
+    for name in (env, verl_grpo.M2PO_CLIP_FLOOR_ENV, verl_grpo.OPSM_DELTA_ENV):
+        monkeypatch.delenv(name, raising=False)
+    plain, _, _ = verl_call("offpolicy_grpo", log_prob, old, weights, adv, mask, mode, cfg)
+    assert abs(plain.item() - loss.item()) > 1e-6
+
+
+def test_trust_region_settings_are_checked(monkeypatch):
+    log_prob, old, weights, adv, mask = random_batch(3)
+    cfg = actor_config()
+    set_batch_info(cfg, mask, mask.shape[0])
+    for envs, match in [
+        ({verl_grpo.M2PO_CLIP_ENV: "0"}, "must be > 0"),
+        ({verl_grpo.M2PO_QUADRANT_ENV: "x"}, "not a number"),
+        ({verl_grpo.DPPO_DELTA_ENV: "-1"}, "must be >= 0"),
+        ({verl_grpo.DPPO_DELTA_ENV: "0.2", verl_grpo.M2_THRESHOLD_ENV: "0.04"}, "one M2PO form or DPPO at a time"),
+        ({verl_grpo.M2PO_CLIP_FLOOR_ENV: "1"}, "which is unset"),
+        ({verl_grpo.M2PO_CLIP_ENV: "0.04", verl_grpo.M2PO_CLIP_FLOOR_ENV: "yes"}, "1 \\(floor"),
+    ]:
+        for name, value in envs.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=match):
+            verl_call("offpolicy_grpo", log_prob, old, weights, adv, mask, "token-mean", cfg)
+        for name in envs:
+            monkeypatch.delenv(name)
+    monkeypatch.setenv(verl_grpo.DPPO_DELTA_ENV, "0.2")
+    with pytest.raises(ValueError, match="act on offpolicy_grpo, not opmd"):
+        verl_call("opmd", log_prob, old, weights, adv, mask, "token-mean", cfg)

@@ -8,6 +8,11 @@
     tis         the decoupled objective with its weight truncated, min(rho^L, C) (`correction_args`; --is-cap)
     mis         masked importance sampling: the tokens or sequences with rho^L outside [1/M, M] leave (--is-mask)
     m2po        M2PO's second-moment mask (`m2po_keep_mask`; --m2-threshold)
+    m2po-clip   M2PO as its authors' released code runs it: an adaptive clip around alpha (`m2po_clip_bounds`;
+                --m2po-clip-threshold, --m2po-clip-floor)
+    m2po-quadrant  the M2PO paper's final mask on PPO's two active quadrants (`m2po_quadrant_keep`;
+                --m2po-quadrant-threshold)
+    dppo        DPPO's probability-difference mask, prime-rl's default (`dppo_keep`; --dppo-delta)
 
 Names as in objective.py: logp (log pi_theta), pi_k_logp, alpha_logp, ref_logp, each (N, T); rho = pi_theta / alpha,
 rho' = pi_k / alpha, r = pi_theta / pi_k = rho / rho'; rho^L is `level_ratio`'s.
@@ -25,6 +30,7 @@ Deviation from AReaL: `is_cap` truncates the weight (TIS: w = min(rho', C)), whe
 zeroes the tokens above the cap. Dropping tokens is `is_mask`'s job, and it drops them from the normaliser too.
 """
 
+import math
 from dataclasses import replace
 
 import torch
@@ -337,3 +343,196 @@ class M2PO(Variant):
     def step_keep(self, alpha_logp, pi_k_logp, loss_mask):
         keep = m2po_keep_mask(alpha_logp, pi_k_logp, loss_mask, self.m2_threshold)  # (N, T)
         return keep, {"m2po_masked_frac": masked_mean((~keep).double(), loss_mask)}
+
+
+# ---- M2PO as its authors' released code runs it, the paper's final mask, and DPPO's mask (issue 57) ---------------
+# Each reads the current pi_theta (detached) against the sampler alpha, at the loss call (train.update's micro-batch),
+# and replaces [A]'s clip by its own trust region: the settings' clip_center / clip_eps / clip_eps_high do not act.
+
+M2PO_CLIP_FLOOR = (0.7, 1.5)  # compute_m2po_policy_loss's default miniclip_low / _high = 0.3 / 0.5, as ratio bounds
+M2PO_NO_CLIP = (0.0, 1e5)  # kpo_clip_harmful_tokens' bounds when the budget holds: (0, 100000)
+NO_CLIP = dict(clip_center="alpha", clip_eps=1.0, clip_eps_high=float("inf"))  # [lo, hi] = [0, inf): rho itself
+
+
+def check_m2po_budget(budget: float | None, what: str = "m2po budget") -> None:
+    if budget is not None and not budget > 0.0:
+        raise ValueError(f"{what} must be > 0 (a bound on a mean (log pi_theta - log alpha)^2), got {budget}")
+
+
+def check_dppo_delta(delta: float | None) -> None:
+    if delta is not None and not delta >= 0.0:
+        raise ValueError(
+            f"dppo delta must be >= 0 (a bound on pi_theta - alpha, a probability difference), got {delta}"
+        )
+
+
+def pushed_quadrants(logp, alpha_logp, advantages, loss_mask):
+    """(d, active), each (N, T): d = log pi_theta - log alpha (float64, detached; 0 off the mask) and the loss tokens
+    whose ratio moved the way A pushes it, A > 0 with d > 0 or A < 0 with d < 0 (PPO's clip acts only there)."""
+    valid = loss_mask > 0  # (N, T)
+    d = torch.where(valid, logp.detach().double() - alpha_logp.detach().double(), 0.0)  # (N, T)
+    A = advantages.detach().double()
+    A = A.unsqueeze(1) if A.dim() == 1 else A  # (N, 1) or (N, T)
+    return d, valid & (((A > 0) & (d > 0)) | ((A < 0) & (d < 0)))  # (N, T) each
+
+
+def m2po_clip_bounds(logp, alpha_logp, advantages, loss_mask, budget: float, floor: bool = False):
+    """The ratio interval [lo, hi] the M2PO authors' released code clips rho = pi_theta / alpha to, floats, and M2
+    over the pushed quadrants (Infini-AI-Lab/M2PO, verl/trainer/ppo/core_algos.py: `kpo_clip_harmful_tokens`,
+    `_solve_tau_from_sorted_delta2`, `compute_m2po_policy_loss`; verl/workers/actor/dp_actor.py calls it per
+    micro-batch with log_prob the current forward and old_log_probs recorded when the batch was sampled: alpha):
+
+        H = the loss tokens with A > 0 and rho > 1 or A < 0 and rho < 1 (`pushed_quadrants`), n = |H|,
+        v_t = (log rho_t)^2 on H, M2 = mean_H v;   M2 <= budget (or n = 0): [lo, hi] = [0, 1e5] (no clip)
+        else, v_(1) <= ... <= v_(n) ascending, c_j = sum_t min(v_t, v_(j)) (the M2 sum with every v capped at v_(j)),
+        k = the least j with c_j >= n * budget;   tau^2 = v_(k-1) - 1e-12 (0 when k = 1);   [lo, hi] = [e^-tau, e^tau]
+
+    tau is the largest breakpoint at which capping |log rho| leaves M2 of H below the budget (the authors do not
+    interpolate between breakpoints). floor=True: lo = min(lo, 0.7), hi = max(hi, 1.5), compute_m2po_policy_loss's
+    own defaults (miniclip 0.3 / 0.5); its only caller, dp_actor, passes config.get("miniclip_low", None), which the
+    released launchers (train-scripts/m2po-*.sh) never set, so the runs the paper reports had no floor. Their 1e-12
+    slack on tau^2 is kept (the token that sets tau falls just outside, clipped, not on the bound), those in their
+    comparisons are left out. Returns (lo, hi, M2, n)."""
+    check_m2po_budget(budget)
+    d, active = pushed_quadrants(logp, alpha_logp, advantages, loss_mask)
+    v = d[active].square()  # (n,)
+    n = v.numel()
+    m2 = v.mean().item() if n else 0.0
+    if n == 0 or not m2 > budget:  # a NaN M2 (it cannot be sorted) clips nothing, as the authors' `<=` test fails
+        lo, hi = M2PO_NO_CLIP
+    else:
+        s = torch.sort(v).values  # (n,) ascending
+        j = torch.arange(n, device=s.device, dtype=s.dtype)
+        capped = s.cumsum(0) + torch.where(j < n - 1, (n - 1 - j) * s, 0.0)  # (n,) c_j (no 0 * inf at the top)
+        k = int((capped >= n * budget).to(torch.int8).argmax())  # exists: c_(n) = n * M2 > n * budget
+        tau = math.sqrt(max(s[k - 1].item() - 1e-12, 0.0)) if k > 0 else 0.0  # their slack: v_(k-1) is clipped
+        lo, hi = math.exp(-tau), math.exp(tau)
+    if floor:
+        lo, hi = min(lo, M2PO_CLIP_FLOOR[0]), max(hi, M2PO_CLIP_FLOOR[1])
+    return lo, hi, m2, n
+
+
+def m2po_quadrant_keep(logp, alpha_logp, advantages, loss_mask, tau: float) -> torch.Tensor:
+    """The tokens the M2PO paper's final form keeps, (N, T) bool, True off the mask (ms-swift's `compute_m2po_mask`,
+    Trinity-RFT's `M2POPolicyLossFn`, 2026: the paper's Algorithm 1 restricted to the pushed quadrants):
+
+        H = the loss tokens with A > 0 and rho > 1 or A < 0 and rho < 1, rho = pi_theta / alpha (`pushed_quadrants`)
+        v_t = (log rho_t)^2 on H, ascending v_(1) <= ... <= v_(n) (stable: ties in the tokens' order)
+        keep the longest prefix whose mean is <= tau: the first K with mean(v_(1..K)) <= tau, K = 0 when v_(1) > tau
+
+    The largest v of H leave until the rest's mean is at most tau (all of H may leave); a token outside H never
+    does. Unlike `m2po_keep_mask` (AReaL): only H is ranked and counted, by pi_theta rather than pi_k, `<=` tau,
+    and no token is kept when none fits; a dropped token stays in the normaliser (the unit)."""
+    check_m2po_budget(tau, "m2po quadrant threshold")
+    d, active = pushed_quadrants(logp, alpha_logp, advantages, loss_mask)
+    keep = torch.ones_like(active).flatten()  # (N*T,)
+    where = active.flatten().nonzero().squeeze(1)  # (n,) the flat indices of H, row-major
+    if where.numel() == 0:
+        return keep.view_as(active)
+    s, order = torch.sort(d.flatten()[where].square(), stable=True)  # (n,) each
+    prefix_mean = s.cumsum(0) / torch.arange(1, s.numel() + 1, device=s.device, dtype=s.dtype)  # (n,)
+    kept = int((prefix_mean <= tau).sum())  # the prefix means rise: the ones <= tau are a prefix
+    keep[where[order[kept:]]] = False
+    return keep.view_as(active)  # (N, T)
+
+
+def dppo_keep(logp, alpha_logp, advantages, loss_mask, delta_low: float, delta_high: float) -> torch.Tensor:
+    """The tokens DPPO's binary mask keeps, (N, T) bool, True off the mask (prime-rl's default loss since April 2026,
+    src/prime_rl/trainer/rl/loss.py `default_loss_fn`, DefaultLossConfig.dppo_mask_low / _high = 0.2 / 0.2; the
+    DPPO-Binary TV loss of arXiv 2602.04879):
+
+        a token leaves  iff  A > 0 and pi_theta - alpha > delta_high,   or  A <= 0 and alpha - pi_theta > delta_low
+
+    a bound on the probability difference (not the ratio), on the side A pushes the token towards; A = 0 takes the
+    low side as prime-rl's torch.where does (such a token adds nothing either way). pi_theta is the current forward,
+    detached; alpha the sampler's."""
+    check_dppo_delta(delta_low)
+    check_dppo_delta(delta_high)
+    diff = torch.exp(logp.detach().double()) - torch.exp(alpha_logp.detach().double())  # (N, T)
+    A = advantages.detach()
+    A = A.unsqueeze(1) if A.dim() == 1 else A  # (N, 1) or (N, T)
+    leaves = torch.where(A > 0, diff > delta_high, diff < -delta_low)  # (N, T)
+    return ~(leaves & (loss_mask > 0))  # (N, T)
+
+
+def zero_advantages(x: LossInput, keep: torch.Tensor) -> LossInput:
+    """x with A <- 0 on the tokens keep drops (A becomes (N, T)): their term is 0, they stay in Z."""
+    A = x.advantages if x.advantages.dim() == 2 else x.advantages.unsqueeze(1)  # (N, 1) or (N, T)
+    return replace(x, advantages=torch.where(keep, A, torch.zeros_like(A)).expand_as(x.loss_mask))
+
+
+@register("m2po-clip")
+class M2POClip(Variant):
+    """M2PO as its authors' released code runs it (`m2po_clip_bounds`): no token is masked; the loss call's M2 over
+    the tokens that moved the way A pushes becomes PPO's clip around the sampler,
+
+        o_t = min(rho_t A, clip(rho_t, lo, hi) A),   rho = pi_theta / alpha,   [lo, hi] from the call's tokens
+
+    (objective.policy_loss with clip_center="alpha", eps_low = 1 - lo, eps_high = hi - 1). One interval per loss
+    call, as the authors' per-micro-batch call: at train.update's default micro-batch (the whole batch on a CPU) once
+    a step; its bounds are logged as m2po_clip_lo / m2po_clip_hi."""
+
+    def __init__(self, budget: float, floor: bool = False):
+        check_m2po_budget(budget)
+        self.budget, self.floor = budget, floor
+
+    @classmethod
+    def from_config(cls, cfg):
+        return None if cfg.m2po_clip_threshold is None else cls(cfg.m2po_clip_threshold, cfg.m2po_clip_floor)
+
+    def loss(self, x: LossInput, inner, **settings):
+        lo, hi, m2, n = m2po_clip_bounds(x.logp, x.alpha_logp, x.advantages, x.loss_mask, self.budget, self.floor)
+        own = dict(clip_center="alpha", clip_eps=1.0 - lo, clip_eps_high=hi - 1.0)
+        loss, stats = inner(x, **(settings | own))
+        return loss, stats | {"m2po_clip_lo": lo, "m2po_clip_hi": hi}
+
+
+@register("m2po-quadrant")
+class M2POQuadrant(Variant):
+    """The M2PO paper's final form (`m2po_quadrant_keep`): the fewest pushed-quadrant tokens, the largest
+    (log pi_theta - log alpha)^2 first, lose their term so that the rest of the quadrants have M2 <= tau, and the
+    surrogate is the unclipped ratio, the token count kept:
+
+        loss = -(1 / Z) sum_{t in L} M_t rho_t A_t,   M = m2po_quadrant_keep,   Z counts L whatever M drops
+
+    (objective.policy_loss with the clip off, [lo, hi] = [0, inf), and A <- 0 where M = 0). tau is taken once over
+    the loss call's tokens: train.update's micro-batch (ms-swift's granularity; the whole step at the default)."""
+
+    def __init__(self, tau: float):
+        check_m2po_budget(tau, "m2po quadrant threshold")
+        self.tau = tau
+
+    @classmethod
+    def from_config(cls, cfg):
+        return None if cfg.m2po_quadrant_threshold is None else cls(cfg.m2po_quadrant_threshold)
+
+    def loss(self, x: LossInput, inner, **settings):
+        keep = m2po_quadrant_keep(x.logp, x.alpha_logp, x.advantages, x.loss_mask, self.tau)  # (N, T)
+        loss, stats = inner(zero_advantages(x, keep), **(settings | NO_CLIP))
+        return loss, stats | {"m2po_quadrant_masked_frac": masked_mean((~keep).double(), x.loss_mask)}
+
+
+@register("dppo")
+class DPPO(Variant):
+    """DPPO's binary probability-difference mask (`dppo_keep`) on the unclipped ratio, the token count kept, as
+    prime-rl's default loss computes its policy-gradient term:
+
+        loss = -(1 / Z) sum_{t in L} M_t rho_t A_t,   M = dppo_keep,   rho = pi_theta / alpha
+
+    (objective.policy_loss with the clip off and A <- 0 where M = 0). prime-rl adds kl_tau (log rho)^2 (1e-3, its
+    Kimi-K2.5 KL term) to the loss: not part of DPPO's mask, and not here."""
+
+    def __init__(self, delta_low: float, delta_high: float | None = None):
+        delta_high = delta_low if delta_high is None else delta_high
+        check_dppo_delta(delta_low)
+        check_dppo_delta(delta_high)
+        self.delta_low, self.delta_high = delta_low, delta_high
+
+    @classmethod
+    def from_config(cls, cfg):
+        return None if cfg.dppo_delta is None else cls(cfg.dppo_delta)
+
+    def loss(self, x: LossInput, inner, **settings):
+        keep = dppo_keep(x.logp, x.alpha_logp, x.advantages, x.loss_mask, self.delta_low, self.delta_high)  # (N, T)
+        loss, stats = inner(zero_advantages(x, keep), **(settings | NO_CLIP))
+        return loss, stats | {"dppo_masked_frac": masked_mean((~keep).double(), x.loss_mask)}
