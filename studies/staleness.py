@@ -91,7 +91,9 @@ CSV_COLUMNS = [
 # Per-step metrics averaged between eval points; steps without an update (no group had a signal) have none.
 STEP_MEANS = {
     **runner.STEP_MEANS,
-    **{k: (lambda m, k=k: m.get(k)) for k in ("rho_prime_p99", "is_capped_frac", "is_masked_frac", "mismatch_kl_k3")},
+    **{k: (lambda m, k=k: m.get(k)) for k in ("rho_prime_p99", "mismatch_kl_k3")},
+    # TIS's and MIS's figures: 0 where the unit is off (it reports nothing), None on a step without an update
+    **{k: (lambda m, k=k: m.get(k, 0.0) if "loss" in m else None) for k in ("is_capped_frac", "is_masked_frac")},
 }
 
 

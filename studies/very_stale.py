@@ -100,9 +100,9 @@ MASK_FIELDS = ("is_masked_frac", "m2po_masked_frac", "opsm_masked_frac")
 
 
 def masked_frac(m: dict):
-    """The fraction of the step's loss tokens the run's mask dropped; None for a step without an update."""
-    present = [m[k] for k in MASK_FIELDS if k in m]
-    return sum(present) if present else None
+    """The fraction of the step's loss tokens the run's mask dropped (0 without one: a unit that is off reports
+    nothing); None for a step without an update."""
+    return sum(m.get(k, 0.0) for k in MASK_FIELDS) if "loss" in m else None
 
 
 # Per-step metrics averaged between eval points; steps without an update (no group had a signal) have none.

@@ -13,13 +13,24 @@ import train
 from bookkeeping.checkpoint import checkpoints, load_checkpoint, load_policy_state
 from config import Config, ConfigError, resolve
 from conftest import TEST_WARMUP, error_line, jsonl, tiny_run_args
+from engine import queue_fit
 from problems.prompts import Draw, PromptStream, load_problems, run_rewards
 from problems.tasks import encode_prompts
 from rollout import Queue, Sampled
 
 pytestmark = pytest.mark.model  # trains the tiny model
 
-TIMINGS = ("wall_s", "tokens_per_s", "peak_mem_gb", "mem_gb", "t_sample", "t_score", "t_logprob", "t_update")
+TIMINGS = (
+    "wall_s",
+    "tokens_per_s",
+    "peak_mem_gb",
+    "peak_reserved_gb",
+    "mem_gb",
+    "t_sample",
+    "t_score",
+    "t_logprob",
+    "t_update",
+)
 # Enough rows a step that most groups carry signal, and a learning rate that moves the weights step by step.
 SIGNAL = ["--prompts-per-step", 4, "--group-size", 4, "--lr", 1e-3]
 
@@ -198,14 +209,14 @@ def test_a_queued_batch_holds_the_bytes_the_formula_gives(warm_cache, tmp_path, 
 
     for j, b in enumerate(batches):
         prompt_len = b.rollout.prompt_ids.shape[1]
-        expected = train.queue_batch_bytes(cfg, prompt_len)
+        expected = queue_fit.queue_batch_bytes(cfg, prompt_len)
         if j == 0 and alpha_logp_from == "recompute":  # step 0's own batch: alpha = pi_k, no log alpha kept
             expected -= 4 * 12 * 6
         assert held(b) == expected, j
 
 
 def test_a_queue_that_cannot_fit_is_refused_with_its_size(tmp_path, warm_cache, main, monkeypatch, tok):
-    monkeypatch.setattr(train, "host_available_bytes", lambda: 10**6)  # 1 MB free
+    monkeypatch.setattr(queue_fit, "host_available_bytes", lambda: 10**6)  # 1 MB free
     line = error_line(main(*tiny_run_args(warm_cache, tmp_path / "run", *SIGNAL, "--lag", 255, steps=300)))
     # N = 16 rows, T = 8, P the longest training prompt (encode_prompts pads the whole set to it): a batch is
     # 16 (16 P + 24 x 8 + 5) + 4 x 16 x 8 bytes (the formula tested above), 256 of them above half of 1 MB.
@@ -226,17 +237,17 @@ def test_a_queue_that_cannot_fit_is_refused_with_its_size(tmp_path, warm_cache, 
 def test_on_cuda_the_queue_is_measured_against_what_the_process_may_use(monkeypatch, tok):
     # No GPU needed: the CUDA branch reads engine.policy.available_bytes (the driver and the allocator), here 2 MB.
     seen = []
-    monkeypatch.setattr(train, "available_bytes", lambda device: seen.append(device) or 2 * 10**6)
-    monkeypatch.setattr(train, "host_available_bytes", lambda: pytest.fail("a CPU figure for a CUDA run"))
+    monkeypatch.setattr(queue_fit, "available_bytes", lambda device: seen.append(device) or 2 * 10**6)
+    monkeypatch.setattr(queue_fit, "host_available_bytes", lambda: pytest.fail("a CPU figure for a CUDA run"))
     cfg = resolve(Config(out="x", lag=99))
     train_set = load_problems(cfg, run_rewards(cfg))[0]
     with pytest.raises(
         ConfigError, match=r"^--lag 99: the queue of 100 batches .* more than half the 0.002 GB free on cuda:0;"
     ):
-        train.check_queue_fits(cfg, tok, train_set, torch.device("cuda:0"))
-    train.check_queue_fits(resolve(Config(out="x", lag=9)), tok, train_set, torch.device("cuda:0"))  # 10 fit
+        queue_fit.check_queue_fits(cfg, tok, train_set, torch.device("cuda:0"))
+    queue_fit.check_queue_fits(resolve(Config(out="x", lag=9)), tok, train_set, torch.device("cuda:0"))  # 10 fit
     assert seen == [torch.device("cuda:0")] * 2
-    train.check_queue_fits(resolve(Config(out="x")), tok, train_set, torch.device("cuda:0"))  # on-policy: no queue
+    queue_fit.check_queue_fits(resolve(Config(out="x")), tok, train_set, torch.device("cuda:0"))  # on-policy: no queue
     assert len(seen) == 2
 
 

@@ -193,7 +193,17 @@ def test_an_unchanged_resume_is_the_uninterrupted_run_bit_for_bit_and_its_summar
     assert "records no fingerprints" not in r.stdout + r.stderr
     wa, wb = load_file(full / "final" / "model.safetensors"), load_file(cut / "final" / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    timing = ("wall_s", "tokens_per_s", "peak_mem_gb", "mem_gb", "t_sample", "t_score", "t_logprob", "t_update")
+    timing = (
+        "wall_s",
+        "tokens_per_s",
+        "peak_mem_gb",
+        "peak_reserved_gb",
+        "mem_gb",
+        "t_sample",
+        "t_score",
+        "t_logprob",
+        "t_update",
+    )
     rows = [[{k: v for k, v in m.items() if k not in timing} for m in jsonl(p / "metrics.jsonl")] for p in (full, cut)]
     assert rows[0] == rows[1] and [m["step"] for m in rows[1]] == [0, 1, 2]
     assert jsonl(full / "completions.jsonl") == jsonl(cut / "completions.jsonl")

@@ -125,9 +125,10 @@ def test_table_only_rebuilds_table_and_picture_from_the_csv(tmp_path):
 
 
 def test_masked_frac_reads_whichever_mask_the_run_has():
-    assert vs.masked_frac({"loss": 1.0}) is None  # a step without an update logs none
-    assert vs.masked_frac({"is_masked_frac": 0.0}) == 0.0
-    assert vs.masked_frac({"is_masked_frac": 0.0, "m2po_masked_frac": 0.25}) == 0.25
+    assert vs.masked_frac({"skipped_no_signal": 1}) is None  # a step without an update has no loss
+    assert vs.masked_frac({"loss": 1.0}) == 0.0  # an update without a mask: its unit off, nothing dropped
+    assert vs.masked_frac({"loss": 1.0, "is_masked_frac": 0.125}) == 0.125
+    assert vs.masked_frac({"loss": 1.0, "m2po_masked_frac": 0.25}) == 0.25
 
 
 @pytest.mark.parametrize("seed", [0, 1])
