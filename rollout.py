@@ -101,7 +101,7 @@ class Queue:
 
     @classmethod
     def from_state(cls, state: dict, device) -> "Queue":
-        """A checkpoint's queue (one from before the lag held a refresh cycle: all sampled at its start)."""
+        """A checkpoint's queue (one from before the lag held a refresh period's batches: all sampled at its start)."""
         batches = [
             Sampled(
                 rollout=Rollout(**{k: v.to(device) for k, v in b["rollout"].items()}),

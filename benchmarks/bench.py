@@ -6,14 +6,14 @@
         --max-new-tokens 256 --beta 0.04 --device cuda --dtype bfloat16
 
 The timed step is train.py's own, `train.grpo_step`; its phases are the ones it times itself:
-    sample   at a refresh, rollout.generate_batches of the cycle's v batches (the path is printed: plain or
+    sample   at a refresh, rollout.generate_batches of the refresh period's v batches (the path is printed: plain or
              static-cache+cuda-graph); 0 at the other steps
     score    the reward function at a refresh (here: decode to text, synthetic rewards); advantages
-    logprob  train.completion_logprobs without grad: log alpha of the cycle at a refresh (--alpha-logp-from
+    logprob  train.completion_logprobs without grad: log alpha of the period's batches at a refresh (--alpha-logp-from
              recompute), pi_ref when --beta > 0 (and its --ref-refresh copy)
     update   train.update: forward, backward and the AdamW step, micro-batched
-With v > 1 the steps of a cycle differ (the refresh does the sampling), so the figure to compare is the mean
-over whole cycles: --warmup and --steps are rounded up to multiples of v, and each phase's mean is printed,
+With v > 1 the steps of a refresh period differ (the refresh does the sampling), so the figure to compare is the mean
+over whole refresh periods: --warmup and --steps are rounded up to multiples of v, and each phase's mean is printed,
 then, as the last line, one JSON object: step_s_mean (mean seconds per step), step_s (the median), phases
 (means), tokens_per_s, peak_mem_gb and peak_reserved_gb (CUDA: torch.cuda.max_memory_allocated and
 max_memory_reserved, the allocator's blocks in use and all it holds, which an out-of-memory error is decided
@@ -165,9 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
         + ", ".join(f"{k} = {' '.join(v) or 'full fine-tuning, float32'}" for k, v in FITS.items()),
     )
     # --- timing -------------------------------------------------------------------------------------
-    p.add_argument("--steps", type=int, default=5, help="timed steps, rounded up to whole refresh cycles")
+    p.add_argument("--steps", type=int, default=5, help="timed steps, rounded up to whole refresh periods")
     p.add_argument(
-        "--warmup", type=int, default=1, help="untimed steps first (allocator, kernels, graph capture), whole cycles"
+        "--warmup", type=int, default=1, help="untimed steps first (allocator, kernels, graph capture), whole periods"
     )
     p.add_argument("--vs-trl", action="store_true", help="also time TRL's GRPOTrainer on the same model and sizes")
     p.add_argument(
@@ -264,12 +264,12 @@ def synthetic_reward(tok, group_size: int, reward_gen: torch.Generator):
 
 
 def bench_ours(cfg: Config, args, model, tok, words) -> dict:
-    """Train.py's own step, `train.grpo_step`, over whole refresh cycles: --warmup and --steps are rounded up to
+    """Train.py's own step, `train.grpo_step`, over whole refresh periods: --warmup and --steps are rounded up to
     multiples of v, so `step_s_mean` (the figure to compare across v) holds every refresh's sampling once."""
     device = torch.device(cfg.device)
     v = cfg.offpolicy_steps
     warmup, steps = -(-args.warmup // v) * v, -(-args.steps // v) * v
-    # A cycle never samples past the last step; under --lag s the run is s steps longer, so that each timed step
+    # A refresh never samples past the last step; under --lag s the run is s steps longer, so that each timed step
     # draws its batch of step k + s as a step mid-run does (the warm-up's first step draws s + 1).
     cfg = dataclasses.replace(cfg, steps=warmup + steps + (cfg.lag or 0))
     models = make_models(cfg, model)
@@ -281,7 +281,7 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
         prompts = [make_prompts(tok, words, cfg.prompts_per_step, args.prompt_len, rng)[0].to(device) for _ in range(n)]
         return [(p, torch.ones_like(p), reward_fn) for p in prompts]  # (B, P) each, no padding
 
-    rows, cycle, peaks, reserved_peaks, update_gb = [], None, [], [], []
+    rows, queue, peaks, reserved_peaks, update_gb = [], None, [], [], []
 
     def measured_update(*a, **kw):  # train.update, and the memory it adds at its peak: what checkpointing shrinks
         peaks.append(peak_memory_gb(device))  # the peaks so far survive the reset below
@@ -292,7 +292,7 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
         update_gb.append(peak_memory_gb(device) - before)
         return out
 
-    calls = []  # the generate calls of the timed steps: a cycle's batches sampled in as few as memory allows
+    calls = []  # the generate calls of the timed steps: a refresh period's batches sampled in as few as memory allows
 
     def counted_generate(*a, **kw):
         calls.append(1)
@@ -308,7 +308,7 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
                 reserved_peaks.clear()
                 calls.clear()
             t = clock(device)
-            res, cycle = grpo_step(cfg, models, tok, k, gen, cycle, draw, ignore_eos=True)
+            res, queue = grpo_step(cfg, models, tok, k, gen, queue, draw, ignore_eos=True)
             if k >= warmup:
                 row = dict(res.times, step=clock(device) - t, tokens=int(res.rollout.completion_mask.sum()))
                 rows.append(row | {k: res.stats.get(k) for k in ("sampler_mismatch", "micro_batch")})
@@ -327,13 +327,13 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
         "peak_mem_gb": max([peak_memory_gb(device), *peaks]),
         "peak_reserved_gb": max([peak_reserved_gb(device), *reserved_peaks]),
         "update_mem_gb": max(update_gb[-steps:]) if update_gb else 0.0,
-        # A refresh samples its cycle's batches: the tokens of the timed steps over their sampling seconds.
+        # A refresh samples its period's batches: the tokens of the timed steps over their sampling seconds.
         "sample_tokens_per_s": sum(r["tokens"] for r in rows) / max(sum(r["sample"] for r in rows), 1e-9),
         "sampler_mismatch": statistics.fmean(mismatch) if mismatch else None,
         "sampling_path": sampling_path(models.policy, cfg.fast),
         # the micro-batch the timed steps' updates used (--micro-batch, or policy.auto_micro_batch's choice)
         "micro_batch": max((r["micro_batch"] for r in rows if r["micro_batch"] is not None), default=None),
-        "sample_calls_per_cycle": len(calls) / (steps // v),
+        "sample_calls_per_refresh": len(calls) / (steps // v),
         "timed_steps": steps,
         "warmup_steps": warmup,
     }
@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         f"prompt {args.prompt_len} + {cfg.max_new_tokens} new tokens, "
         f"beta {cfg.beta}, v={cfg.offpolicy_steps} (log alpha: {cfg.alpha_logp_from}), "
         f"micro-batch {ours['micro_batch']}{'' if cfg.micro_batch else ' (auto)'}, "
-        f"{ours['sample_calls_per_cycle']:g} sampling call(s) a cycle; "
+        f"{ours['sample_calls_per_refresh']:g} sampling call(s) a refresh; "
         f"means over {ours['timed_steps']} steps after {ours['warmup_steps']} warm-up"
     )
     print(f"{'phase':<10}{'mean s':>10}{'share':>8}")
@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     keys = ("step_s", "phases", "tokens_per_s", "peak_mem_gb", "peak_reserved_gb", "update_mem_gb", "sampling_path")
     keys += ("step_s_mean",)
-    keys += ("timed_steps", "sample_tokens_per_s", "sampler_mismatch", "sample_calls_per_cycle")
+    keys += ("timed_steps", "sample_tokens_per_s", "sampler_mismatch", "sample_calls_per_refresh")
     result = {k: ours[k] for k in keys}
     if generate_tps is not None:
         result["generate_tokens_per_s"] = generate_tps

@@ -85,7 +85,7 @@ def update_s(s: Shape, dev: Device, rows: int) -> float:
 
 
 def step_phases(s: Shape, dev: Device, repeat_kv: bool = False, v: int = 1, beta: bool = True) -> dict:
-    """Seconds a step, phase by phase, at v = 1 or the mean over a v-step cycle (log alpha recomputed)."""
+    """Seconds a step, phase by phase, at v = 1 or the mean over a refresh period of v steps (log alpha recomputed)."""
     sample = sample_s(s, dev, s.rows * v, repeat_kv) / v
     logprob = (forward_s(s, dev, s.rows) if beta else 0.0) + (v - 1) * forward_s(s, dev, s.rows) / v
     update = update_s(s, dev, s.rows)

@@ -9,7 +9,7 @@
 #      v = 1 with --token-timings (ms per token of the graph's replay, the sampling chain and its textbook form, a
 #      whole static-cache call, the plain loop and model.generate; the LM head's log-probs against the textbook's)
 #      and stock TRL's GRPOTrainer step where trl is importable; v = 4 as the defaults run it (log alpha recomputed);
-#      v = 4 with log alpha from the sampler (the cycle sampled in one call either way, where memory allows);
+#      v = 4 with log alpha from the sampler (the refresh period sampled in one call either way, where memory allows);
 #      lag4: --lag 4 (the first step samples 5 batches, each later step one);
 #      cap40: v = 1 at the same shape with the process capped at 40 GiB (bench --memory-cap-gb 40:
 #      torch.cuda.set_per_process_memory_fraction(40 GiB / total)), the default micro-batch and sample rows sized
@@ -38,7 +38,7 @@
 #   checks      30 s / 90 s   the small models' checks (the issue's estimate)
 #   v1          35 s / 130 s  15 s + 3 steps x 2.75 s + ~10 s of token timings (4 x 32 tokens of each sampler, the head)
 #   cap40       25 s / 75 s   15 s + 2 steps x ~3.2 s (micro-batch 16, not 32) + margin
-#   v4          45 s / 30 s + 16 v1 steps   15 s + 2 cycles x 4 steps x 3.0 s + margin
+#   v4          45 s / 30 s + 16 v1 steps   15 s + 2 refresh periods x 4 steps x 3.0 s + margin
 #   lag4        35 s / 30 s + 16 v1 steps   15 s + the first step (5 batches: ~8 s) + 3 steps x 2.9 s + margin
 #   fit-lora    25 s / 50 s   the 1.5B shape, 16 x 8 rows, one step: ~20 s to start, ~5 s the step
 # 195 s in all, of the 290; then, where time is left: v4-sampler 40 s, fit-plain 20 s, fit-ckpt 22 s.
@@ -158,8 +158,8 @@ EXPECT=$(exp checks) run_saving_json checks 90 benchmarks.gpu_checks --device "$
 EXPECT=$(exp v1) bench v1 $((130 + TRL_S)) "${SIZES[@]}" --offpolicy-steps 1 --steps 2 --token-timings "${TRL[@]}"
 # The benchmark's shape in 40 GiB (the goal's memory): one warm-up step, one timed; its peak reserved is the figure.
 EXPECT=$(exp cap40) bench cap40 75 "${SIZES[@]}" --offpolicy-steps 1 --warmup 1 --steps 1 --memory-cap-gb 40
-# One warm-up cycle, then one timed cycle of 4 steps: its refresh samples the 4 batches. Its limit: the process's
-# start (30 s: the model, the graph's capture) and 8 steps at twice v1's measured mean step.
+# One warm-up refresh period, then one timed period of 4 steps: its refresh samples the 4 batches. Its limit:
+# the process's start (30 s: the model, the graph's capture) and 8 steps at twice v1's measured mean step.
 V4_LIMIT=$("$PY" -c "import json, math, sys
 try:
     step = json.load(open(sys.argv[1]))['step_s_mean']
@@ -221,7 +221,7 @@ for s in stages:
     print(f"{head}{r['step_s_mean']:>8.3f}{ph['sample']:>8.3f}{ph['update']:>8.3f}{r['sample_tokens_per_s']:>11.0f}"
           f"{gen}{r['peak_mem_gb']:>8.1f}{r.get('peak_reserved_gb', float('nan')):>8.1f}{mm}{trl}  "
           f"{r['sampling_path']}, micro-batch {r['micro_batch']}, "
-          f"{r.get('sample_calls_per_cycle', 0):g} sampling call(s) a cycle")
+          f"{r.get('sample_calls_per_refresh', 0):g} sampling call(s) a refresh")
 figures = {s["name"]: s["figures"] for s in stages if s["figures"]}
 if "cap40" in figures:
     r = figures["cap40"]

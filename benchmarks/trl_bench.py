@@ -141,9 +141,9 @@ def _subclass_run(queue, name: str, threads: int, cfg, model_path: str, tok, tex
         times = _train(GRPOTrainer, GRPOConfig, model_path, tok, texts, warmup, device, **kw)
     else:
         v = kw["offpolicy_steps"] = int(name.split("=")[1])
-        # one generation takes v steps' prompts: whole cycles of them (the prompts cycle; timing does not care)
-        cycle = cfg.prompts_per_step * v
-        texts = (texts * cycle)[: -(-len(texts) // cycle) * cycle]
+        # one generation takes v steps' prompts: whole refresh periods of them (prompts repeat; timing does not care)
+        period = cfg.prompts_per_step * v
+        texts = (texts * period)[: -(-len(texts) // period) * period]
         times = _train(OffPolicyGRPOTrainer, OffPolicyGRPOConfig, model_path, tok, texts, warmup, device, **kw)
     queue.put((times, peak_memory_gb(device), peak_reserved_gb(device)))
 
@@ -156,7 +156,7 @@ def subclass_step_times(cfg, model_path: str, tok, texts: list[str], warmup: int
     for 4 optimizer steps on TRL's schedule (steps_per_generation = 4 * GA) and keeps no copy of the weights: its
     peak differs from v = 1's only by generating 4 steps' rows at once. Name -> median and mean seconds per step,
     steps, peak memory (GB, allocated and reserved); the mean includes the generation steps of v = 4 (choose
-    `steps` a multiple of 4 to cover whole cycles)."""
+    `steps` a multiple of 4 to cover whole refresh periods)."""
     ctx = multiprocessing.get_context("spawn")
     results = {}
     for name in ("TRL GRPOTrainer", "ours v=1", "ours v=4"):

@@ -1,11 +1,11 @@
 """Checkpoints for exact resume: everything the next step depends on, written atomically.
 
-A checkpoint holds the policy (its trainable weights: under LoRA the adapter alone), the unfinished refresh
-cycle (its batches, rewards and log alpha, drawn from a policy the current weights cannot reproduce), the
-reference pi_ref (when beta > 0), the optimizer, the step, every random state (Python, numpy, torch, the sampling
-generator) and the data-order position.
+A checkpoint holds the policy (its trainable weights: under LoRA the adapter alone), the queue of batches
+drawn ahead (the unfinished refresh period's, with their rewards and log alpha, drawn from a policy the current
+weights cannot reproduce), the reference pi_ref (when beta > 0), the optimizer, the step, every random state
+(Python, numpy, torch, the sampling generator) and the data-order position.
 Resuming from it and running to the end gives bit-for-bit the weights of the uninterrupted run on the
-same machine (tests/test_robust.py shows it, killing a run mid-cycle).
+same machine (tests/test_robust.py shows it, killing a run inside a refresh period).
 
 Files: `<out>/checkpoints/step-00000050.pt`. Each is written to a temporary name in the same
 folder and renamed into place, so a crash mid-write leaves no file with the final name; only

@@ -36,7 +36,7 @@ def metrics_row(step: int, res, group_size: int, wall_s: float, step_s: float, d
         "truncated_frac": ro.truncated.float().mean().item(),
         "entropy": (ro.entropy * cm).sum().item() / max(n_tok, 1),
         **res.stats,  # loss, clip fractions, rho', KL, sampler_mismatch: as the step computed them
-        "t_sample": t["sample"],  # a cycle's sampling is billed to its refresh step
+        "t_sample": t["sample"],  # a refresh period's sampling is billed to its refresh step
         "t_score": t["score"],
         "t_logprob": t["logprob"],
         "t_update": t["update"],

@@ -34,7 +34,7 @@ def run_state(
 ) -> dict:
     """Everything the next step reads, so that a resumed run continues bit for bit.
 
-    The queue of batches drawn ahead is saved too (the unfinished refresh cycle, or a constant lag's s batches):
+    The queue of batches drawn ahead is saved too (the unfinished refresh period's, or a constant lag's s batches):
     they were drawn from alpha, a policy up to v - 1 (or s) steps old that the current weights cannot reproduce
     (with their rewards, log alpha and the step that sampled each). The sampling generator's state and the data
     position (already past the queue's prompts) make the next draws those of the uninterrupted run. So are the
@@ -122,7 +122,7 @@ def restore(cfg: Config, models: Models, gen, stream: PromptStream, writer: RunW
     seconds, the queue of batches drawn ahead or None, the reward functions' Scores of its steps)."""
     path, ck = picked
     load_policy_state(models.policy, ck["policy"])
-    saved = ck.get("queue", ck.get("cycle"))  # "cycle": a checkpoint from before the lag, its refresh cycle
+    saved = ck.get("queue", ck.get("cycle"))  # "cycle": a checkpoint from before the lag, its refresh period's
     queue = None if saved is None else Queue.from_state(saved, cfg.device)
     if models.ref is not None:
         models.ref.load_state_dict(ck["ref"])

@@ -153,14 +153,14 @@ class Plan:
         return "\n".join(self.lines())
 
 
-def sampling_shapes(group: int, longest: int, rows_per_call: int, cycle_rows: int) -> list[tuple[int, int]]:
-    """(rows, columns) of the decoders that sampling `cycle_rows` rows in groups of `group` makes at `rows_per_call`
+def sampling_shapes(group: int, longest: int, rows_per_call: int, drawn_rows: int) -> list[tuple[int, int]]:
+    """(rows, columns) of the decoders that sampling `drawn_rows` rows in groups of `group` makes at `rows_per_call`
     rows a call (whole prompts a call, rollout.generate_batches): the full calls' and the last, smaller one's."""
     per_call = max(1, rows_per_call // group) * group
     cols = -(-longest // LENGTH_ROUNDING) * LENGTH_ROUNDING
-    shapes = [(min(per_call, cycle_rows), cols)]
-    if cycle_rows > per_call and cycle_rows % per_call:
-        shapes.append((cycle_rows % per_call, cols))
+    shapes = [(min(per_call, drawn_rows), cols)]
+    if drawn_rows > per_call and drawn_rows % per_call:
+        shapes.append((drawn_rows % per_call, cols))
     return shapes
 
 
@@ -211,16 +211,16 @@ def memory_plan(
     # pi_ref allocated, the training state and autocast's casts pending.
     resident0 = weights * (2 if cfg.beta > 0 and not cfg.lora_rank else 1)
     pending = state + casts
-    first_cycle = held * n if cfg.lag is not None else cfg.offpolicy_steps * n  # rows the first refresh samples
-    first_cycle = min(first_cycle, cfg.steps * n)
+    first_rows = held * n if cfg.lag is not None else cfg.offpolicy_steps * n  # rows the first refresh samples
+    first_rows = min(first_rows, cfg.steps * n)
     free = None if budget is None else budget - resident0
     if cfg.sample_rows:
         rows_per_call = cfg.sample_rows
     elif free is None:
-        rows_per_call = first_cycle  # a CPU: the cycle in one call
+        rows_per_call = first_rows  # a CPU: the first draw in one call
     else:
-        rows_per_call = P.balanced_rows(first_cycle, P.sample_rows_fitting(config, length, free, dtype, pending))
-    shapes = sampling_shapes(cfg.group_size, length, rows_per_call, first_cycle)
+        rows_per_call = P.balanced_rows(first_rows, P.sample_rows_fitting(config, length, free, dtype, pending))
+    shapes = sampling_shapes(cfg.group_size, length, rows_per_call, first_rows)
     if cfg.lag is not None and cfg.steps > held:  # later steps draw one batch each: a shape of its own
         later = cfg.sample_rows or n
         if not cfg.sample_rows and budget is not None:

@@ -368,10 +368,10 @@ def auto_micro_batch(model, n: int, length: int, checkpointing: bool, amp: torch
 
 
 def auto_sample_rows(model, rows: int, length: int, amp: torch.dtype | None = None) -> int:
-    """The default --sample-rows for a cycle of `rows` completions of up to `length` tokens (prompt and completion):
+    """The default --sample-rows for a draw of `rows` completions of up to `length` tokens (prompt and completion):
     on CUDA as many as `sample_rows_fitting` the memory the process may use (amp: the autocast dtype, which the KV
     cache is kept in), at most `rows`, the calls made equal (`balanced_rows`), remembered per shape as the
-    micro-batch is; elsewhere `rows`, the cycle in one call ([A]'s point: a stale sampler batches the work of v steps
+    micro-batch is; elsewhere `rows`, the draw in one call ([A]'s point: a stale sampler batches the work of v steps
     at once)."""
     device = next(model.parameters()).device
     config = getattr(model, "config", None)
@@ -437,7 +437,7 @@ class BF16AdamW(torch.optim.Optimizer):
 @dataclass
 class Models:
     """What a step reads and changes: the trained policy, its optimizer, and pi_ref. alpha is no model: it is the
-    policy at the last refresh, which sampled the cycle's batches then (train.py's docstring)."""
+    policy at the last refresh, which sampled the refresh period's batches then (train.py's docstring)."""
 
     policy: torch.nn.Module  # pi_theta
     opt: torch.optim.Optimizer

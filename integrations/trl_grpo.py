@@ -34,11 +34,11 @@ here A_t = w_t * A, so o_t becomes w_t * o_t (w >= 0), the KL term unweighted. r
 rho' = pi_k / alpha stay trainer-side: at r = 1 the weight is w * rho' = pi_k / alpha_e, the engine's mismatch
 (w, TRL's truncation) times the staleness (rho', [A]'s clip centre). Correction off: w = 1, alpha the trainer's.
 
-Checkpoints: each rank saves TRL's buffered generation (the unfinished cycle's slices, pi_k's log-probs included)
-and its micro-step counter in checkpoint-<step>/generation_buffer_rank<r>.pt; a resume restores both, so a run
-resumed mid-cycle trains on the very batches, and samples the very completions, of the uninterrupted run. A
-checkpoint without them (stock TRL's, another world size) resumes as stock TRL does: a fresh generation at the
-resume step, from the checkpoint's policy, starting a new cycle there.
+Checkpoints: each rank saves TRL's buffered generation (the unfinished refresh period's slices, pi_k's log-probs
+included) and its micro-step counter in checkpoint-<step>/generation_buffer_rank<r>.pt; a resume restores both, so a
+run resumed inside a refresh period trains on the very batches, and samples the very completions, of the
+uninterrupted run. A checkpoint without them (stock TRL's, another world size) resumes as stock TRL does: a fresh
+generation at the resume step, from the checkpoint's policy, starting a new refresh period there.
 
 Staleness masks (policy_loss='grpo'): TRL's own off_policy_mask_threshold is OPSM's delta, computed as stock TRL
 computes it (corrections.opsm_keep_mask: by sampling_per_token_logps where vLLM recorded them, else log alpha; the

@@ -38,8 +38,8 @@ Staleness: which verl setting corresponds to train.py's `--offpolicy-steps v` (r
   - fully async (trainer.v1.trainer_mode=separate_async with trainer.v1.separate_async.parameter_sync_step=v,
     or verl.experimental.fully_async_policy with async_training.trigger_parameter_sync_step=v): the sampler's
     weights are refreshed every v optimizer updates, as with --offpolicy-steps v. But in decoupled mode verl
-    pins old_log_prob to the weights at the start of each v-update cycle, so rho' covers only the rollout's
-    lag behind that point, and the drift within the cycle sits in pi_theta / pi_old, clipped around 1: for
+    pins old_log_prob to the weights at the start of each refresh period of v updates, so rho' covers only the rollout's
+    lag behind that point, and the drift within the period sits in pi_theta / pi_old, clipped around 1: for
     that part this is the alpha-centred clip (train.py --clip-center alpha), not [A]'s.
   Both experimental recipes ship with rollout_correction.bypass_mode=True: set it to False.
 

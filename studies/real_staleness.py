@@ -58,7 +58,7 @@ RECIPE = dict(
 )
 # The recipes, by name: each has its own records (results/<stem>/) and table (results/<stem>_table.md).
 # "gentle" takes half the learning rate over twice the steps: about the same total movement, each refresh
-# cycle drifting about half as far, the regime [A] trains in (small lr, many steps).
+# period drifting about half as far, the regime [A] trains in (small lr, many steps).
 # "12-step-unmasked" keeps the groups whose rewards are all equal in the loss's normaliser, as TRL's `dapo` loss
 # does (their advantage is 0, so they only dilute the step): the control that sets our code beside stock TRL's
 # at the same normaliser (studies/trl_staleness.py).

@@ -33,7 +33,7 @@ sets (every cell that finished has all its seeds):
   1. lag 0, the shared baseline, seeds 0-2;
   2. lag 256, 128, 32, 8 (the far end, the study's question, first) x the six corrections, seeds 0-2;
   3. [A]'s periodic refresh (--offpolicy-steps v) at v = 256, then 64, for current and m2po, seeds 0-2: the
-     two schedules side by side. Within a cycle the lag runs 0, 1, ..., v - 1 (mean (v - 1) / 2).
+     two schedules side by side. Within a refresh period the lag runs 0, 1, ..., v - 1 (mean (v - 1) / 2).
 Steps and evaluation: 520 steps per run, 500 held-out problems every 65 steps (8 equal windows). At lag s the
 steps 0, ..., s all train on batches of the starting policy, so at s = 256 the batches sampled after the start
 are those of steps 257 on: 263 of 520, most of the run (the issue's 2 x 256 = 512 steps would give 255 of 512;

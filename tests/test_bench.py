@@ -67,7 +67,7 @@ def test_last_line_is_json_with_positive_timings():
     assert 0.5 * res["step_s"] <= sum(res["phases"].values()) <= 1.01 * res["step_s"]
     assert res["tokens_per_s"] == 2 * 2 * 4 / res["step_s"]  # N * T completion tokens per step
     assert res["sampling_path"] == "plain" and res["micro_batch"] == 4
-    assert res["sample_calls_per_cycle"] == 1  # on a CPU the cycle's v = 2 batches are sampled in one call
+    assert res["sample_calls_per_refresh"] == 1  # on a CPU the period's v = 2 batches are sampled in one call
     assert any(line.startswith("update") for line in lines)  # the table came first
     # On a CPU the peak "reserved" is the peak resident set, as the allocated one, and the row says so.
     assert res["peak_reserved_gb"] == res["peak_mem_gb"] and res["memory_measure"].startswith("cpu: ")

@@ -231,7 +231,7 @@ def test_lora_resume_is_bit_identical(warm_cache, tmp_path):
     tiny_run(warm_cache, out, *LORA, "--lr", "1e-3", "--save-every", "3", "--beta", "0.04")
     whole = load_file(out / "final" / "adapter_model.safetensors")
     shutil.rmtree(out / "final")
-    (out / "checkpoints" / "step-00000006.pt").unlink()  # back to step 3: mid-run, and mid-cycle (v = 2)
+    (out / "checkpoints" / "step-00000006.pt").unlink()  # back to step 3: mid-run, and inside a refresh period (v = 2)
     assert train.main(["--resume", "--out", str(out), "--no-progress"]) == 0
     resumed = load_file(out / "final" / "adapter_model.safetensors")
     assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)

@@ -639,7 +639,7 @@ def test_a_memory_cap_sets_the_per_process_fraction_and_is_read_back_where_torch
 
 
 @pytest.mark.parametrize(
-    "gib, cycle_rows, rows, micro_batch",
+    "gib, drawn_rows, rows, micro_batch",
     [
         (24, 512, 512, 8),
         (24, 2048, 512, 8),
@@ -649,10 +649,10 @@ def test_a_memory_cap_sets_the_per_process_fraction_and_is_read_back_where_torch
         (80, 2048, 2048, 32),
     ],
 )
-def test_the_memory_defaults_fit_a_24_40_and_80_gb_device(monkeypatch, gib, cycle_rows, rows, micro_batch):
+def test_the_memory_defaults_fit_a_24_40_and_80_gb_device(monkeypatch, gib, drawn_rows, rows, micro_batch):
     # The benchmark's first step (Qwen2.5-0.5B shape, bf16 autocast, float32 weights, 64 x 8 rows of 128 + 256, beta
     # > 0) on a device of `gib` GiB, or a bigger one capped at it: the weights and pi_ref allocated (8 bytes a
-    # parameter), the refresh samples a cycle of `cycle_rows` rows (v = 1: 512, v = 4: 2048), its static decoder keeps
+    # parameter), the refresh samples `drawn_rows` rows (v = 1: 512, v = 4: 2048), its static decoder keeps
     # the KV cache and a bf16 copy of the matrices, then the update is sized from what is left.
     # By hand at 40 GiB and v = 1: A = 40 GiB - 3.95 GB = 38.99 GB; U = 0.85 A - pending 6.92 GB = 26.22 GB; half of
     # it holds 26.22e9 / 2 // 9,580,544 = 1368 rows: the 512. Then A = 40 GiB - 3.95 - 512 x 4.72 MB - 0.99 GB =
@@ -669,7 +669,7 @@ def test_the_memory_defaults_fit_a_24_40_and_80_gb_device(monkeypatch, gib, cycl
     available = policy.available_bytes("cuda")
     assert available == gib * GIB - weights
     # At most 606 (24 GiB) or 1368 (40 GiB) rows a call fit; the 2048 rows go in equal calls (policy.balanced_rows).
-    assert policy.auto_sample_rows(model, cycle_rows, 384, torch.bfloat16) == rows
+    assert policy.auto_sample_rows(model, drawn_rows, 384, torch.bfloat16) == rows
     assert weights + rows * SAMPLE_ROW <= weights + policy.SAMPLE_SHARE * (0.85 * available - pending)
     # What sampling left: its KV cache and bf16 matrices stay with the static decoder; the chain's blocks are cached.
     kept = rows * KV_ROW + 2 * QWEN_MATRICES
@@ -723,8 +723,8 @@ def test_the_default_micro_batch_counts_the_allocators_cache_and_stays_the_same_
     assert policy.auto_micro_batch(model, 512, 128, False, torch.bfloat16) != first  # another shape: sized afresh
 
 
-def test_the_default_sample_rows_take_the_whole_cycle_where_it_fits_and_count_a_float32_cache_at_4_bytes(monkeypatch):
-    # A stale sampler batches its cycle: on a CPU all v x B x G rows in one call; on CUDA as many as half of what the
+def test_the_default_sample_rows_take_the_whole_period_where_it_fits_and_count_a_float32_cache_at_4_bytes(monkeypatch):
+    # A stale sampler batches its period: on a CPU all v x B x G rows in one call; on CUDA as many as half of what the
     # defaults may plan on holds. 100 GB available, nothing pending: 0.5 x 85e9 // 9,580,544 = 4436 rows in bf16; a
     # float32 run's KV cache takes 4 bytes a value, so fewer: 0.5 x 85e9 // (2 x 4,718,592 + 4,861,952) = 2972.
     from types import SimpleNamespace
@@ -736,7 +736,7 @@ def test_the_default_sample_rows_take_the_whole_cycle_where_it_fits_and_count_a_
     assert policy.sample_rows_fitting(qwen, 384, 100 * 10**9, torch.bfloat16) == 425 * 10**8 // SAMPLE_ROW == 4436
     assert policy.sample_rows_fitting(qwen, 384, 100 * 10**9, torch.float32) == 425 * 10**8 // 14_299_136 == 2972
     assert policy.sample_rows_fitting(qwen, 384, 10**6, torch.bfloat16) == 1  # never 0
-    assert policy.auto_sample_rows(torch.nn.Linear(2, 2), 2048, 384) == 2048  # a CPU: the whole cycle
+    assert policy.auto_sample_rows(torch.nn.Linear(2, 2), 2048, 384) == 2048  # a CPU: the whole period
     # Through auto_sample_rows: --dtype float32 (no autocast, float32 weights) sizes a float32 cache.
     fake_cuda(monkeypatch, free=100 * 10**9, total=140 * 10**9)
     model = OnCuda(params=(1, 1))
@@ -744,4 +744,4 @@ def test_the_default_sample_rows_take_the_whole_cycle_where_it_fits_and_count_a_
     # calls of 4096. Equal calls share one static decoder (engine/memory.py counts each kept one).
     assert policy.auto_sample_rows(model, 8192, 384, None) == 2731
     assert policy.auto_sample_rows(model, 8192, 384, torch.bfloat16) == 4096
-    assert policy.auto_sample_rows(model, 2048, 384, torch.bfloat16) == 2048  # a v = 4 cycle in one call
+    assert policy.auto_sample_rows(model, 2048, 384, torch.bfloat16) == 2048  # a v = 4 period in one call

@@ -1,4 +1,4 @@
-"""--lag s, a constant lag, and the queue it shares with the refresh cycle (train.steps_to_draw, rollout.Queue):
+"""--lag s, a constant lag, and the queue it shares with the periodic refresh (train.steps_to_draw, rollout.Queue):
 the schedule step by step, --lag 0 and the first s + 1 steps against the runs they must equal bit for bit, a resume
 mid-queue, log alpha of a lagged batch against the weights of step k - s read back from a checkpoint, and the
 memory a queued batch holds."""
@@ -66,20 +66,20 @@ def drawn_by_step(steps: int, **kw) -> list[list[int]]:
 def test_the_two_schedules_draw_what_the_definitions_say():
     # Written out by hand: --lag 2 draws steps 0-2 at step 0, then step k + 2 at step k, none past the last (6).
     assert drawn_by_step(7, lag=2) == [[0, 1, 2], [3], [4], [5], [6], [], []]
-    # --offpolicy-steps 3: a refresh every 3 steps, the last cycle cut at the run's end.
+    # --offpolicy-steps 3: a refresh every 3 steps, the last refresh period cut at the run's end.
     assert drawn_by_step(7, offpolicy_steps=3) == [[0, 1, 2], [], [], [3, 4, 5], [], [], [6]]
     # --lag 0 and the on-policy run: each step its own batch.
     assert drawn_by_step(4, lag=0) == drawn_by_step(4) == [[0], [1], [2], [3]]
     # The lag's first s + 1 steps draw what --offpolicy-steps s + 1 draws.
     assert drawn_by_step(8, lag=3)[0] == drawn_by_step(8, offpolicy_steps=4)[0] == [0, 1, 2, 3]
-    # A lost queue (a checkpoint without one) starts again from step k: s + 1 batches, or the rest of the cycle.
+    # A lost queue (a checkpoint without one) starts again from step k: s + 1 batches, or the rest of the period.
     cfg = resolve(Config(steps=20, lag=4, out="x"))
     assert list(train.steps_to_draw(cfg, 9, Queue(9, []))) == [9, 10, 11, 12, 13]
     cfg = resolve(Config(steps=20, offpolicy_steps=4, out="x"))
     assert list(train.steps_to_draw(cfg, 9, Queue(9, []))) == [9, 10, 11]
 
 
-def test_lag_with_a_refresh_cycle_or_below_zero_is_refused_in_one_line(tmp_path, warm_cache, main):
+def test_lag_with_a_refresh_period_or_below_zero_is_refused_in_one_line(tmp_path, warm_cache, main):
     line = error_line(main(*tiny_run_args(warm_cache, tmp_path / "a", "--lag", 2, "--offpolicy-steps", 4)))
     assert line == "error: --lag 2 and --offpolicy-steps 4 are two schedules of one queue; give one"
     line = error_line(main(*tiny_run_args(warm_cache, tmp_path / "b", "--lag", -1)))
@@ -100,20 +100,22 @@ def test_lag_zero_is_the_on_policy_run_bit_for_bit(tmp_path, warm_cache, main):
 
 
 @pytest.mark.parametrize("alpha_logp_from", ["recompute", "sampler"])
-def test_the_first_s_plus_1_steps_of_a_lag_are_a_refresh_cycle_of_s_plus_1(tmp_path, warm_cache, main, alpha_logp_from):
-    # s = 2 over 6 steps: from step 1 on the lag draws a batch a step (the generator moves), the cycle none until 3.
+def test_the_first_s_plus_1_steps_of_a_lag_are_a_refresh_period_of_s_plus_1(
+    tmp_path, warm_cache, main, alpha_logp_from
+):
+    # s = 2 over 6 steps: from step 1 on the lag draws a batch a step (the generator moves), the refresh none until 3.
     s, runs = 2, {}
-    for name, extra in (("cycle", ["--offpolicy-steps", s + 1]), ("lag", ["--lag", s])):
+    for name, extra in (("periodic", ["--offpolicy-steps", s + 1]), ("lag", ["--lag", s])):
         runs[name] = tmp_path / name
         extra += ["--alpha-logp-from", alpha_logp_from, "--log-completions", 100]
         assert main(*tiny_run_args(warm_cache, runs[name], *SIGNAL, *extra, steps=6)).returncode == 0
-    cycle, lag = rows_of(runs["cycle"]), rows_of(runs["lag"])
-    assert cycle[: s + 1] == lag[: s + 1]  # rewards, loss, clip and rho' figures, sampled_at, staleness: all of it
+    periodic, lag = rows_of(runs["periodic"]), rows_of(runs["lag"])
+    assert periodic[: s + 1] == lag[: s + 1]  # rewards, loss, clip and rho' figures, sampled_at, staleness: all of it
     assert [m["staleness"] for m in lag] == [0, 1, 2, 2, 2, 2]  # min(k, s)
-    assert [m["staleness"] for m in cycle] == [0, 1, 2, 0, 1, 2]  # k mod v
+    assert [m["staleness"] for m in periodic] == [0, 1, 2, 0, 1, 2]  # k mod v
     assert [m["sampled_at"] for m in lag] == [0, 0, 0, 1, 2, 3]
     # The batches themselves: every logged completion of the first s + 1 steps, and not those after.
-    done = [[c for c in jsonl(runs[n] / "completions.jsonl") if c["split"] == "train"] for n in ("cycle", "lag")]
+    done = [[c for c in jsonl(runs[n] / "completions.jsonl") if c["split"] == "train"] for n in ("periodic", "lag")]
     first = [[c for c in d if c["step"] <= s] for d in done]
     assert first[0] == first[1] and len(first[0]) == (s + 1) * 16
     assert [c for c in done[0] if c["step"] > s] != [c for c in done[1] if c["step"] > s]

@@ -48,8 +48,8 @@ def write_reward(tmp_path, fail_at: int, how: str):
 @pytest.mark.parametrize(
     "fail_at, how",
     [
-        (2, "raise SystemExit(5)"),  # at step 2's refresh, the second cycle's sampling
-        (4, "raise KeyboardInterrupt"),  # the third cycle
+        (2, "raise SystemExit(5)"),  # at step 2's refresh, the second period's sampling
+        (4, "raise KeyboardInterrupt"),  # the third period
         (2, "raise ValueError('the grader is down')"),
         (6, "sys.exit(0)"),  # the end's held-out evaluation: every step done
     ],

@@ -84,7 +84,7 @@ def test_sigkill_then_resume_gives_the_same_final_weights(warm_cache, tmp_path):
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     assert not (cut_out / "final").exists()
     killed_at = int(latest_checkpoint(str(cut_out)).stem.split("-")[1])
-    assert killed_at < 24 and killed_at % 4 != 0  # mid-cycle (v = 4, a checkpoint every 3 steps): a stale step
+    assert killed_at < 24 and killed_at % 4 != 0  # mid-period (v = 4, a checkpoint every 3 steps): a stale step
 
     r = cli("--resume", "--out", str(cut_out), "--no-progress")
     assert r.returncode == 0, r.stderr[-2000:]

@@ -182,7 +182,7 @@ def small_cfg(warm_cache, tmp_path, **kw):
 
 
 @pytest.mark.parametrize("v,alpha_logp_from", [(1, "recompute"), (3, "recompute"), (3, "sampler")])
-def test_a_refresh_samples_its_whole_cycle_from_the_live_policy(
+def test_a_refresh_samples_its_whole_period_from_the_live_policy(
     warm_cache, tmp_path, monkeypatch, tok, v, alpha_logp_from
 ):
     """Every v steps the live policy (no copy of it exists) samples the next v steps' batches in one call, of
@@ -213,25 +213,25 @@ def test_a_refresh_samples_its_whole_cycle_from_the_live_policy(
     )  # every step has signal
     monkeypatch.setattr(train, "load_policy", load_spy)
     train.train(small_cfg(warm_cache, tmp_path, offpolicy_steps=v, alpha_logp_from=alpha_logp_from))
-    assert len(calls) == -(-7 // v) and len(updates) == 7  # one sampling call per cycle, an update per step
+    assert len(calls) == -(-7 // v) and len(updates) == 7  # one sampling call per refresh, an update per step
     assert all(live for live, *_ in calls) and Models.__dataclass_fields__.keys() == {"policy", "opt", "ref"}
     assert all(len(prompts) == min(v, 7 - v * c) for c, (_, _, prompts, _) in enumerate(calls))
     if v > 1:
-        assert not torch.equal(calls[1][1], calls[0][1])  # the second cycle's alpha is the moved policy
-    # The prompts, cycle by cycle, are those a v = 1 run draws step by step (the stream's order).
+        assert not torch.equal(calls[1][1], calls[0][1])  # the second period's alpha is the moved policy
+    # The prompts, period by period, are those a v = 1 run draws step by step (the stream's order).
     stream = PromptStream(load_task("arithmetic")[0], 0)
     drawn = [encode_prompts(tok, stream.next(4), "cpu")[0] for _ in range(7)]
     sampled = [p for *_, prompts, _ in calls for p in prompts]
     assert len(sampled) == 7 and all(torch.equal(a, b) for a, b in zip(sampled, drawn))
     for k, (ids, alpha_logp) in enumerate(updates):
         ro = calls[k // v][3][k % v]
-        assert torch.equal(ids, ro.input_ids)  # step k trains on its own batch of the cycle
+        assert torch.equal(ids, ro.input_ids)  # step k trains on its own batch of the period
         if k % v == 0 and alpha_logp_from == "recompute":
             assert alpha_logp is None  # alpha = pi_k: the update's first epoch gives it
         elif alpha_logp_from == "sampler":
             assert torch.equal(alpha_logp, ro.sampler_logp)
         else:
-            with torch.no_grad():  # the policy at the refresh: the weights that sampled this cycle
+            with torch.no_grad():  # the policy at the refresh: the weights that sampled this period
                 policy = train.load_policy(small_cfg(warm_cache, tmp_path))[0]
                 torch.nn.utils.vector_to_parameters(calls[k // v][1], policy.parameters())
                 expected = chunked_token_logprobs(

@@ -1,5 +1,5 @@
 """integrations/trl_grpo.py on TRL's own generation schedule, in real runs: one generation every v steps (alpha),
-pi_k with num_iterations > 1, resume mid-cycle, LoRA with v > 1, the command line, two processes.
+pi_k with num_iterations > 1, resume inside a refresh period, LoRA with v > 1, the command line, two processes.
 
 Every test runs TRL's real code on CPU with the warmed-up tiny policy (tests/trl_testing.py).
 """
@@ -66,8 +66,8 @@ def test_pi_k_with_num_iterations_is_the_slices_first_pass(policy_dir, tmp_path)
         assert gap(now_b, now_a, mask) > 1e-4  # the policy moved between the passes
 
 
-def test_resume_mid_cycle_samples_what_the_uninterrupted_run_would(policy_dir, tmp_path):
-    """v=3, checkpoints at steps 2 and 4 (both mid-cycle): resumed from step 2, the run trains on the buffered
+def test_resume_mid_period_samples_what_the_uninterrupted_run_would(policy_dir, tmp_path):
+    """v=3, checkpoints at steps 2 and 4 (both mid-period): resumed from step 2, the run trains on the buffered
     batches (no generation at step 2), generates at step 3 the very completions of the uninterrupted run, and ends
     with the same weights. A checkpoint without the buffer resumes as stock TRL does: a generation at once."""
     kw = dict(cls=Recorder, offpolicy_steps=3, max_steps=5, save_strategy="steps", save_steps=2)

@@ -561,7 +561,7 @@ def test_the_schedule_is_transformers_own(name, hf, ratio):
     assert all(train.lr_at(default, k) == default.lr for k in range(default.steps))  # the run as it was
 
 
-def test_a_scheduled_run_resumed_mid_cycle_is_the_uninterrupted_run(tmp_path, warm_cache, main):
+def test_a_scheduled_run_resumed_mid_period_is_the_uninterrupted_run(tmp_path, warm_cache, main):
     (tmp_path / "mine.py").write_text(USER_REWARDS)
     extra = ["--lr-scheduler", "cosine", "--warmup-ratio", "0.3", "--lr", "1e-3", "--offpolicy-steps", "2"]
     extra += ["--save-every", "1", "--keep-checkpoints", "5", "--log-completions", "2"]
@@ -572,7 +572,7 @@ def test_a_scheduled_run_resumed_mid_cycle_is_the_uninterrupted_run(tmp_path, wa
     shutil.copytree(full, cut)
     for name in ("final", "summary.json"):
         shutil.rmtree(cut / name) if (cut / name).is_dir() else (cut / name).unlink()
-    (cut / "checkpoints" / "step-00000004.pt").unlink()  # back to step 3: inside the cycle of steps 2 and 3
+    (cut / "checkpoints" / "step-00000004.pt").unlink()  # back to step 3: inside the refresh period of steps 2 and 3
     r = main("--resume", "--out", cut)
     assert r.returncode == 0, r.stderr[-2000:]
     from safetensors.torch import load_file
