@@ -632,7 +632,9 @@ def validate(cfg: Config) -> None:
     if cfg.m2po_clip_threshold is not None and (cfg.loss != "grpo" or not cfg.m2po_clip_threshold > 0):
         raise ConfigError(f"--m2po-clip-threshold {cfg.m2po_clip_threshold}: needs --loss grpo and a budget > 0")
     if cfg.m2po_quadrant_threshold is not None and (cfg.loss != "grpo" or not cfg.m2po_quadrant_threshold > 0):
-        raise ConfigError(f"--m2po-quadrant-threshold {cfg.m2po_quadrant_threshold}: needs --loss grpo and a tau > 0")
+        raise ConfigError(
+            f"--m2po-quadrant-threshold {cfg.m2po_quadrant_threshold}: needs --loss grpo and a threshold > 0"
+        )
     if cfg.dppo_delta is not None and (cfg.loss != "grpo" or not cfg.dppo_delta >= 0):
         raise ConfigError(f"--dppo-delta {cfg.dppo_delta}: DPPO needs --loss grpo and a delta >= 0")
     trust = [
@@ -664,7 +666,7 @@ def validate(cfg: Config) -> None:
             for name in ("clip_center", "clip_eps", "clip_eps_high")
         ],
         ("m2po_clip_floor", cfg.m2po_clip_threshold is None, "it floors the clip of --m2po-clip-threshold"),
-        ("red_tau", cfg.red != "weight", "--red-tau is RED-Weight's temperature (--red weight)"),
+        ("red_tau", cfg.red != "weight", "--red-tau is RED-Weight's scale (--red weight)"),
         ("warmup_steps", cfg.model != "tiny", "--warmup-steps warms up the built-in policy (--model tiny)"),
         ("lora_alpha", cfg.lora_rank == 0, "--lora-alpha scales a LoRA adapter (--lora-rank > 0)"),
         ("lora_targets", cfg.lora_rank == 0, "--lora-targets names a LoRA adapter's modules (--lora-rank > 0)"),

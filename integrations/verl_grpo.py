@@ -51,14 +51,14 @@ Deviations from objective.py:
   3. opmd reads tau_reg from actor.policy_loss.dro_beta (verl's coefficient of the same quadratic log-ratio
      penalty in its "dro" loss), 0.1 (reinforce.opmd_loss's default) when unset.
   4. actor/rho_prime_max is a mean over micro-batches of their maxima: verl averages every loss metric.
-  5. M2PO and OPSM (offpolicy_grpo only; set by the environment variables OFFPOLICY_GRPO_M2_THRESHOLD tau and
-     OFFPOLICY_GRPO_OPSM_DELTA delta, which verl's Ray workers inherit as they do VERL_USE_EXTERNAL_MODULES: verl's
-     PolicyLossConfig takes no field of ours). verl calls the loss once per micro-batch, on one rank, with its
-     normaliser counted beforehand from response_mask: M2PO's ranking runs over the call's tokens (AReaL's own
-     granularity, its loss function is called per micro-batch too; train.py ranks the whole step, which is this
-     with one micro-batch a step on one rank), and the tokens it drops add 0 but stay in verl's normaliser, where
-     train.py takes them out. OPSM is a per-sequence mask and keeps the normaliser in train.py and TRL too: it is
-     exact here. verl's KL loss (use_kl_loss) is its own term and neither mask touches it.
+  5. M2PO and OPSM (offpolicy_grpo only; set by the environment variables OFFPOLICY_GRPO_M2_THRESHOLD, the M2
+     threshold, and OFFPOLICY_GRPO_OPSM_DELTA delta, which verl's Ray workers inherit as they do
+     VERL_USE_EXTERNAL_MODULES: verl's PolicyLossConfig takes no field of ours). verl calls the loss once per
+     micro-batch, on one rank, with its normaliser counted beforehand from response_mask: M2PO's ranking runs over the
+     call's tokens (AReaL's own granularity, its loss function is called per micro-batch too; train.py ranks the whole
+     step, which is this with one micro-batch a step on one rank), and the tokens it drops add 0 but stay in verl's
+     normaliser, where train.py takes them out. OPSM is a per-sequence mask and keeps the normaliser in train.py and TRL
+     too: it is exact here. verl's KL loss (use_kl_loss) is its own term and neither mask touches it.
   6. M2PO as its authors run it, the M2PO paper's final mask and DPPO's mask (offpolicy_grpo only; one at a time,
      not with M2PO's mask): OFFPOLICY_GRPO_M2PO_CLIP_THRESHOLD (and _M2PO_CLIP_FLOOR=1), _M2PO_QUADRANT_THRESHOLD,
      _DPPO_DELTA, read as deviation 5's. Each is corrections' unit (M2POClip, M2POQuadrant, DPPO) with its own
@@ -81,7 +81,7 @@ from variants import corrections, reinforce
 # verl's own guard on log-ratios before exp (core_algos, rollout_corr_helper)
 LOG_RATIO_BOUND = 20.0
 # reinforce.opmd_loss's default tau_reg, used when actor.policy_loss.dro_beta is unset
-OPMD_TAU_DEFAULT = 0.1
+OPMD_TAU_REG_DEFAULT = 0.1
 # Deviation 5: the staleness masks of offpolicy_grpo, read at each call
 M2_THRESHOLD_ENV, OPSM_DELTA_ENV = "OFFPOLICY_GRPO_M2_THRESHOLD", "OFFPOLICY_GRPO_OPSM_DELTA"
 # Deviation 6: M2PO's other forms and DPPO's mask (issue 57), each with its own clip; at most one, read at each call
@@ -90,7 +90,7 @@ M2PO_QUADRANT_ENV, DPPO_DELTA_ENV = "OFFPOLICY_GRPO_M2PO_QUADRANT_THRESHOLD", "O
 
 
 def _mask_settings() -> tuple[float | None, float | None]:
-    """M2PO's tau and OPSM's delta from the environment (deviation 5); None where unset. ValueError, one line,
+    """M2PO's M2 threshold and OPSM's delta from the environment (deviation 5); None where unset. ValueError, one line,
     for a value that is not a number or out of range (corrections' checks)."""
     values = []
     for name in (M2_THRESHOLD_ENV, OPSM_DELTA_ENV):
@@ -294,10 +294,10 @@ def opmd_loss(
     algorithm.adv_estimator=grpo_masked (or grpo) with algorithm.norm_adv_by_std_in_grpo=False.
     """
     _no_masks("opmd")
-    tau = config.policy_loss.get("dro_beta", None) if config.get("policy_loss", None) is not None else None
-    tau = OPMD_TAU_DEFAULT if tau is None else tau
+    tau_reg = config.policy_loss.get("dro_beta", None) if config.get("policy_loss", None) is not None else None
+    tau_reg = OPMD_TAU_REG_DEFAULT if tau_reg is None else tau_reg
     logp, alpha_logp, _, rho_prime, live = _logps(old_log_prob, log_prob, rollout_is_weights)
-    per_token = reinforce.opmd_per_token(logp, alpha_logp, advantages, tau_reg=tau).per_token  # (N, T)
+    per_token = reinforce.opmd_per_token(logp, alpha_logp, advantages, tau_reg=tau_reg).per_token  # (N, T)
     loss = _aggregate(per_token, live, response_mask, loss_agg_mode, config)
     return loss, _metrics(log_prob, old_log_prob, rho_prime, response_mask)
 

@@ -23,7 +23,7 @@ lr 1e-4 (the rate at which studies/staleness.py saw staleness cost accuracy):
   The three masks act on [A]'s default centre, so each mask arm differs from `current` by its mask alone.
 At lag 0 with one inner step all six take the same gradient: alpha = pi_k = pi_theta where the gradient is
 taken, so rho = rho' = r = 1 (no clip acts, no weight differs from 1, MIS keeps every token), M2PO's
-v_t = (log alpha - log pi_k)^2 = 0 (nothing leaves: the mean 0 is < tau) and OPSM's
+v_t = (log alpha - log pi_k)^2 = 0 (nothing leaves: the mean 0 is < the M2 threshold) and OPSM's
 mean of log alpha - log pi_theta is 0 (not > delta) (tests/test_very_stale.py). So ONE set of lag-0 runs is
 every correction's baseline: its CSV rows read correction "all (lag 0 baseline)", shared_baseline True, and
 each other run is paired with the baseline run of its seed.

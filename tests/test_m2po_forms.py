@@ -9,8 +9,8 @@ What was read (not copied):
   micro-batch from verl/workers/actor/dp_actor.py with old_log_probs recorded at sampling (alpha) and
   miniclip_low / _high = config.get(..., None): unset in train-scripts/m2po-*.sh, so no floor in their runs.
 - m2po-quadrant: ms-swift's `compute_m2po_mask` / `compute_m2po_token_loss` and Trinity-RFT's `M2POPolicyLossFn`
-  (2026): the pushed quadrants ranked by (log pi_theta - log alpha)^2, the longest ascending prefix with mean <= tau
-  kept, -rho A unclipped on the rest, normalised by every valid token.
+  (2026): the pushed quadrants ranked by (log pi_theta - log alpha)^2, the longest ascending prefix with mean <= the
+  threshold kept, -rho A unclipped on the rest, normalised by every loss token.
 - dppo: PrimeIntellect-ai/prime-rl, src/prime_rl/trainer/rl/loss.py `default_loss_fn` (the default since
   ff4b125e4, 2026-04-06), DefaultLossConfig dppo_mask_low = dppo_mask_high = 0.2.
 """
@@ -54,28 +54,28 @@ def pushed(logp, alpha, adv, mask):
 
 def clip_bounds_loop(logp, alpha, adv, mask, budget, floor):
     """The authors' procedure: no clip ([0, 1e5]) when the pushed tokens' mean (log rho)^2 is within the budget;
-    else, their values ascending, the first k whose cap sum_t min(v_t, v_k) reaches n * budget, tau^2 = v_(k-1)
-    less their slack 1e-12 (0 for k = 0), [e^-tau, e^tau]; the floor widens it to at least [0.7, 1.5]."""
+    else, their values ascending, the first k whose cap sum_t min(v_t, v_k) reaches n * budget, cap^2 = v_(k-1)
+    less their slack 1e-12 (0 for k = 0), [e^-cap, e^cap]; the floor widens it to at least [0.7, 1.5]."""
     v = sorted(m2 for _, m2 in pushed(logp, alpha, adv, mask))
     n = len(v)
     if n == 0 or sum(v) / n <= budget:
         lo, hi = 0.0, 1e5
     else:
         k = next(k for k in range(n) if sum(min(x, v[k]) for x in v) >= n * budget)
-        tau = math.sqrt(max(v[k - 1] - 1e-12, 0.0)) if k > 0 else 0.0
-        lo, hi = math.exp(-tau), math.exp(tau)
+        cap = math.sqrt(max(v[k - 1] - 1e-12, 0.0)) if k > 0 else 0.0
+        lo, hi = math.exp(-cap), math.exp(cap)
     if floor:
         lo, hi = min(lo, 0.7), max(hi, 1.5)
     return lo, hi
 
 
-def quadrant_keep_loop(logp, alpha, adv, mask, tau):
+def quadrant_keep_loop(logp, alpha, adv, mask, threshold):
     """Kept (lists of bools, True off the mask): the pushed tokens ascending by (log rho)^2 (ties: the earlier
-    first), the longest prefix whose mean is <= tau stays, the rest leave; the other tokens all stay."""
+    first), the longest prefix whose mean is <= threshold stays, the rest leave; the other tokens all stay."""
     ranked = sorted(pushed(logp, alpha, adv, mask), key=lambda e: e[1])  # stable
     kept = 0
     for m in range(1, len(ranked) + 1):
-        if sum(v for _, v in ranked[:m]) / m <= tau:
+        if sum(v for _, v in ranked[:m]) / m <= threshold:
             kept = m
     keep = [[True] * len(row) for row in mask]
     for (i, j), _ in ranked[kept:]:
@@ -156,20 +156,20 @@ def test_m2po_clip_is_the_loop(seed, budget, floor):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("tau", [0.005, 0.02, 0.04])
-def test_m2po_quadrant_is_the_loop(seed, tau):
+@pytest.mark.parametrize("threshold", [0.005, 0.02, 0.04])
+def test_m2po_quadrant_is_the_loop(seed, threshold):
     logp, alpha, adv, mask = batch(seed)
     L, Al, Ad, M = lists(logp, alpha, adv, mask)
-    keep = m2po_quadrant_keep(logp, alpha, adv, mask, tau)
-    ref_keep = quadrant_keep_loop(L, Al, Ad, M, tau)
+    keep = m2po_quadrant_keep(logp, alpha, adv, mask, threshold)
+    ref_keep = quadrant_keep_loop(L, Al, Ad, M, threshold)
     assert keep.dtype == torch.bool and keep.tolist() == ref_keep
-    value, grad, stats = unit_loss(M2POQuadrant(tau), logp, alpha, adv, mask)
+    value, grad, stats = unit_loss(M2POQuadrant(threshold), logp, alpha, adv, mask)
     ref, ref_grad = loss_loop(L, Al, Ad, M, 0.0, math.inf, ref_keep)
     assert value == pytest.approx(ref, rel=1e-12, abs=1e-15)
     torch.testing.assert_close(grad, torch.tensor(ref_grad, dtype=torch.float64), rtol=1e-12, atol=1e-15)
     dropped = sum(not k for row_k, row_m in zip(ref_keep, M) for k, m in zip(row_k, row_m) if m)
     assert stats["m2po_quadrant_masked_frac"] == pytest.approx(dropped / sum(map(sum, M)))
-    if tau == 0.005:
+    if threshold == 0.005:
         assert 0 < dropped  # the case is not trivial
 
 
@@ -216,7 +216,7 @@ def test_the_forms_part_on_a_hand_built_batch():
     # the final paper's: only the pushed tokens are ranked; e (A < 0, pushed up) is never a candidate
     quad = m2po_quadrant_keep(logp, alpha, HAND_ADV, m, 0.04)
     assert quad.tolist() == [[False, False, False, True], [True, True, True, True]]
-    # ... and with a looser tau c stays, where AReaL's still drops it with e
+    # ... and with a looser threshold c stays, where AReaL's still drops it with e
     assert m2po_quadrant_keep(logp, alpha, HAND_ADV, m, 0.07).tolist() == [
         [False, False, True, True],
         [True, True, True, True],
@@ -234,8 +234,8 @@ def test_the_forms_part_on_a_hand_built_batch():
     lo, hi, m2, n = m2po_clip_bounds(logp, alpha, HAND_ADV, m, 0.04)
     assert n == 5 and m2 == pytest.approx(sum(v) / 5) and k == 2
     assert (lo, hi) == pytest.approx((math.exp(-math.sqrt(v[1])), math.exp(math.sqrt(v[1]))), rel=1e-9)
-    # tau = |log 0.96| less the slack, about [0.96, 1.04]: a, b, c (A > 0, rho above it) lose their gradient, d
-    # (inside) keeps it, f (A < 0, rho = 0.96) sets tau and falls just below, clipped; e (A < 0 and rho = 3: the
+    # cap = |log 0.96| less the slack, about [0.96, 1.04]: a, b, c (A > 0, rho above it) lose their gradient, d
+    # (inside) keeps it, f (A < 0, rho = 0.96) sets the cap and falls just below, clipped; e (A < 0 and rho = 3: the
     # clip's open side) keeps its push-down
     _, grad, _ = unit_loss(M2POClip(0.04), logp, alpha, HAND_ADV, m)
     assert (grad != 0).tolist() == [[False, False, False, True], [True, False, False, False]]
@@ -248,14 +248,14 @@ def test_m2po_clip_edges():
     logp, alpha = hand()
     # within the budget: no clip, [0, 1e5] (the authors' constants)
     assert m2po_clip_bounds(logp, alpha, HAND_ADV, HAND_MASK, 10.0)[:2] == (0.0, 1e5)
-    # every pushed value above the budget: tau = 0, [1, 1]; the floor makes it [0.7, 1.5]
+    # every pushed value above the budget: cap = 0, [1, 1]; the floor makes it [0.7, 1.5]
     lp, al = torch.tensor([[0.0, -1.0]], dtype=torch.float64), torch.tensor([[-1.0, 0.0]], dtype=torch.float64)
     adv, mask = torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 2, dtype=torch.long)
     assert m2po_clip_bounds(lp, al, adv, mask, 0.5)[:2] == (1.0, 1.0)
     assert m2po_clip_bounds(lp, al, adv, mask, 0.5, floor=True)[:2] == (0.7, 1.5)
     # no pushed token: no clip
     assert m2po_clip_bounds(lp, al, -adv, torch.tensor([[1, 0]]), 0.01)[:2] == (0.0, 1e5)
-    # an infinite log-ratio on a pushed token sorts last: tau is the largest finite breakpoint below the budget
+    # an infinite log-ratio on a pushed token sorts last: the cap is the largest finite breakpoint below the budget
     lp3 = torch.tensor([[0.0, 0.0, 0.0]], dtype=torch.float64)
     al3 = torch.tensor([[-float("inf"), -0.1, -0.2]], dtype=torch.float64)
     lo, hi, _, n = m2po_clip_bounds(lp3, al3, adv, torch.ones(1, 3, dtype=torch.long), 0.04)
@@ -270,7 +270,7 @@ def test_m2po_clip_edges():
 
 
 def test_ties_in_the_quadrant_mask_leave_in_token_order():
-    # four pushed tokens of (log rho)^2 = 0.01, 0.09, 0.09, 0.09: prefix means 0.01, 0.05, ...: at tau 0.05 the
+    # four pushed tokens of (log rho)^2 = 0.01, 0.09, 0.09, 0.09: prefix means 0.01, 0.05, ...: at threshold 0.05 the
     # first 0.09 (token 1) stays, tokens 2 and 3 leave
     d = [0.1, 0.3, -0.3, 0.3]
     lp = torch.tensor([[abs(x) for x in d]], dtype=torch.float64)
@@ -292,7 +292,7 @@ def test_flags_are_checked_and_build_their_units():
     assert variants.recipe(Config(m2po_clip_threshold=0.04, m2po_clip_floor=True)).variants[0].floor
     for kw, match in [
         (dict(m2po_clip_threshold=0.0), "budget > 0"),
-        (dict(m2po_quadrant_threshold=-1.0), "tau > 0"),
+        (dict(m2po_quadrant_threshold=-1.0), "threshold > 0"),
         (dict(dppo_delta=-0.1), "delta >= 0"),
         (dict(dppo_delta=0.2, loss="rec"), "needs --loss grpo"),
         (dict(dppo_delta=0.2, m2_threshold=0.04), "one M2PO form or DPPO at a time"),

@@ -1,7 +1,7 @@
 """M2PO and OPSM (variants.corrections.m2po_keep_mask / opsm_keep_mask, and the units M2PO (a step_keep: the tokens
 leave the loss mask and Z) and OPSM (a loss hook: A <- 0 on a dropped sequence) around objective.policy_loss)
 against plain Python loops written from their definitions (float64, hand-built ties, the case where no cut brings
-the mean below tau, masked tokens), TRL's stock `GRPOTrainer.get_off_policy_mask`, and train.py runs.
+the mean below the M2 threshold, masked tokens), TRL's stock `GRPOTrainer.get_off_policy_mask`, and train.py runs.
 
 The references read:
 - M2PO: AReaL (inclusionAI/AReaL, areal/trainer/ppo/actor.py, `_apply_m2po_masking` / `_get_m2po_loss_mask`):
@@ -28,17 +28,17 @@ EPS_LO, EPS_HI = 0.2, 0.28
 # ---- the loops, from the definitions ---------------------------------------------------------------------------
 
 
-def m2po_loop(alpha, pi_k, mask, tau):
+def m2po_loop(alpha, pi_k, mask, m2_threshold):
     """M2PO's kept tokens (lists of bools), True off the mask: the largest M2 = (log alpha - log pi_k)^2 leave, in
-    descending order (ties: the earlier token first, Python's stable sort), until the rest's mean is < tau; if no
-    count does it, all but the smallest leave."""
+    descending order (ties: the earlier token first, Python's stable sort), until the rest's mean is < the threshold; if
+    no count does it, all but the smallest leave."""
     tokens = [(i, j) for i in range(len(mask)) for j in range(len(mask[i])) if mask[i][j]]
     m2 = {(i, j): (alpha[i][j] - pi_k[i][j]) ** 2 for i, j in tokens}
     order = sorted(tokens, key=lambda ij: -m2[ij])  # stable: equal M2 keep the tokens' order
     n, cut = len(order), max(len(order) - 1, 0)
     for m in range(n):
         rest = [m2[ij] for ij in order[m:]]
-        if sum(rest) / len(rest) < tau:
+        if sum(rest) / len(rest) < m2_threshold:
             cut = m
             break
     keep = [[True] * len(row) for row in mask]
@@ -95,16 +95,16 @@ def batch(seed, n=8, t=6, spread=0.6):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("tau", [0.01, 0.04, 0.08])
-def test_m2po_mask_is_the_loop(seed, tau):
+@pytest.mark.parametrize("m2_threshold", [0.01, 0.04, 0.08])
+def test_m2po_mask_is_the_loop(seed, m2_threshold):
     _, alpha, pi_k, _, _, mask = batch(seed)
-    keep = m2po_keep_mask(alpha, pi_k, mask, tau)
+    keep = m2po_keep_mask(alpha, pi_k, mask, m2_threshold)
     assert keep.dtype == torch.bool and keep.shape == mask.shape
-    assert keep.tolist() == m2po_loop(alpha.tolist(), pi_k.tolist(), mask.tolist(), tau)
+    assert keep.tolist() == m2po_loop(alpha.tolist(), pi_k.tolist(), mask.tolist(), m2_threshold)
     kept = keep & (mask > 0)
     m2 = (alpha - pi_k).square()
     assert 0 < (~keep).sum() < mask.sum()  # the case is not trivial: some leave, some stay
-    assert m2[kept].mean() < tau  # what M2PO guarantees of the rest
+    assert m2[kept].mean() < m2_threshold  # what M2PO guarantees of the rest
     assert m2[kept].max() <= m2[(mask > 0) & ~keep].min()  # the largest left
 
 
@@ -118,10 +118,10 @@ def test_m2po_ties_at_the_cut_leave_in_token_order():
     assert keep.tolist() == m2po_loop(alpha.tolist(), pi_k.tolist(), mask.tolist(), 0.04)
 
 
-def test_m2po_when_no_cut_reaches_tau_all_but_the_smallest_leave():
+def test_m2po_when_no_cut_reaches_the_threshold_all_but_the_smallest_leave():
     alpha = torch.tensor([[1.0, -0.5, 0.7], [0.5, 2.0, 0.0]], dtype=torch.float64)
     pi_k, mask = torch.zeros_like(alpha), torch.tensor([[1, 1, 1], [1, 1, 0]])
-    # every M2 on the mask is >= 0.25 >= tau: only the smallest stays; its tie (-0.5 vs 0.5) is broken by order
+    # every M2 on the mask is >= 0.25 >= m2_threshold: only the smallest stays; its tie (-0.5 vs 0.5) is broken by order
     keep = m2po_keep_mask(alpha, pi_k, mask, 0.1)
     assert keep.tolist() == [[False, False, False], [True, False, True]]
     assert keep.tolist() == m2po_loop(alpha.tolist(), pi_k.tolist(), mask.tolist(), 0.1)
@@ -199,9 +199,9 @@ def test_opsm_is_trls_stock_get_off_policy_mask():
 @pytest.mark.parametrize("which", ["m2po", "opsm", "both"])
 def test_the_masks_in_policy_loss_match_the_loop_in_value_and_gradient(center, which):
     logp, alpha, pi_k, ref, adv, mask = batch(seed=4)
-    beta, tau, delta = 0.1, 0.01, 0.05
+    beta, m2_threshold, delta = 0.1, 0.01, 0.05
     flags = dict(clip_eps=EPS_LO, clip_eps_high=EPS_HI, clip_center=center, beta=beta)
-    flags |= dict(m2_threshold=tau) if which != "opsm" else {}
+    flags |= dict(m2_threshold=m2_threshold) if which != "opsm" else {}
     flags |= dict(opsm_delta=delta) if which != "m2po" else {}
     x = logp.clone().requires_grad_(True)
     loss, stats = corrected_loss(x, alpha, pi_k, ref, adv, mask, **flags)  # the units through variants.recipe
@@ -209,7 +209,7 @@ def test_the_masks_in_policy_loss_match_the_loop_in_value_and_gradient(center, w
 
     a, pk, rf, ad, mk = (t.tolist() for t in (alpha, pi_k, ref, adv, mask))
     n, t = mask.shape
-    k = m2po_loop(a, pk, mk, tau) if which != "opsm" else [[True] * t for _ in range(n)]
+    k = m2po_loop(a, pk, mk, m2_threshold) if which != "opsm" else [[True] * t for _ in range(n)]
     # OPSM's D_i runs over the loss's tokens: with M2PO, those M2PO keeps (a step_keep's tokens leave the step)
     kept_mask = [[mk[i][j] and k[i][j] for j in range(t)] for i in range(n)]
     s = opsm_loop(a, logp.tolist(), ad, kept_mask, delta) if which != "m2po" else [True] * n

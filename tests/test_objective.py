@@ -62,7 +62,7 @@ def test_asymre_and_red():
     adv_r, valid_r = variants.recipe(Config(group_size=4, red="drop")).advantages(r, gen())
     assert torch.equal(valid_r, keep) and torch.allclose(adv_r[keep], torch.tensor([1.0, -1.0]), atol=1e-5)
     assert (adv_r[~keep] == 0).all()
-    # RED-Weight (--red weight): A <- A exp(A / tau), the unit alone and through the recipe.
+    # RED-Weight (--red weight): A <- A exp(A / red_tau) (RED-Weight's scale), the unit alone and through the recipe.
     a = torch.tensor([-1.0, 0.0, 2.0])
     weighted, _ = REDWeight(2.0).advantages(a, None, inner=lambda rewards: (rewards, torch.ones(3, dtype=torch.bool)))
     assert torch.allclose(weighted, a * torch.exp(a / 2.0))

@@ -267,14 +267,14 @@ def test_m2po_masks_the_whole_optimizer_step_as_the_loop_does(policy_dir, tmp_pa
     """m2_threshold (M2PO), v = 2, GA = 2: the mask is computed once over the step's two slices (not per slice), the
     step's normaliser counts the kept tokens, and the slices' losses add up to the loop's (variants.Recipe.loss) on the
     whole step with corrections.m2po_keep_mask."""
-    tau = 0.02
+    m2_threshold = 0.02
     trainer = make_trainer(
         policy_dir,
         tmp_path,
         offpolicy_steps=2,
         per_device_train_batch_size=8,
         gradient_accumulation_steps=2,
-        m2_threshold=tau,
+        m2_threshold=m2_threshold,
         mask_zero_std=False,
     )
     trainer.model.train()
@@ -288,10 +288,13 @@ def test_m2po_masks_the_whole_optimizer_step_as_the_loop_does(policy_dir, tmp_pa
     trainer._m2po_prepass(step)
     cat = lambda key: torch.cat([s[key] for s in step])  # noqa: E731
     alpha, pi_k, mask, adv = cat("old_per_token_logps"), cat("pi_k_logps"), cat("loss_mask"), cat("advantages")
-    keep = corrections.m2po_keep_mask(alpha, pi_k, mask, tau)  # (2n, T) the whole step's
+    keep = corrections.m2po_keep_mask(alpha, pi_k, mask, m2_threshold)  # (2n, T) the whole step's
     assert torch.equal(cat("m2po_keep"), keep) and 0 < int((~keep).sum()) < int(mask.sum())
     per_slice = torch.cat(
-        [corrections.m2po_keep_mask(s["old_per_token_logps"], s["pi_k_logps"], s["loss_mask"], tau) for s in step]
+        [
+            corrections.m2po_keep_mask(s["old_per_token_logps"], s["pi_k_logps"], s["loss_mask"], m2_threshold)
+            for s in step
+        ]
     )
     kept = int((mask.bool() & keep).sum())
     assert step[0]["loss_total"].item() == step[1]["loss_total"].item() == kept
@@ -299,7 +302,7 @@ def test_m2po_masks_the_whole_optimizer_step_as_the_loop_does(policy_dir, tmp_pa
     loss = sum(trainer.compute_loss(trainer.model, s).item() for s in step)
     whole = {k: cat(k) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
     logp = chunked_token_logprobs(trainer.model, *sequences(whole), whole["completion_mask"], 1.0)
-    cfg = Config(clip_center="pi_k", m2_threshold=tau)
+    cfg = Config(clip_center="pi_k", m2_threshold=m2_threshold)
     x = objective.LossInput(logp, alpha, pi_k, None, adv, mask * keep, float(kept))  # the loop's update does so
     loop = variants.recipe(cfg).loss(x)[0].item()
     assert abs(loss - loop) < 1e-5

@@ -256,7 +256,7 @@ def test_opmd_default_tau_is_objective_default():
 # --------------------------------------------------------------------------- a plain loop
 
 
-def loop_loss(name, log_prob, old, weights, adv, mask, mode, eps_low=0.2, eps_high=0.28, tau=0.3):
+def loop_loss(name, log_prob, old, weights, adv, mask, mode, eps_low=0.2, eps_high=0.28, tau_reg=0.3):
     """The four losses token by token in plain Python floats, from policy_loss's and reinforce.py's formulas.
 
     Returns the loss and d loss / d log_prob (each token's term depends on its own log-prob only).
@@ -286,8 +286,8 @@ def loop_loss(name, log_prob, old, weights, adv, mask, mode, eps_low=0.2, eps_hi
                 grads[i][j] = -a * w * keep
             else:
                 d = lp - log_alpha
-                terms[i][j] = -a * lp + 0.5 * tau * d * d
-                grads[i][j] = -a + tau * d
+                terms[i][j] = -a * lp + 0.5 * tau_reg * d * d
+                grads[i][j] = -a + tau_reg * d
     count = [int(mask[i].sum()) for i in range(n)]
     if mode == "token-mean":
         scale = [[1.0 / sum(count)] * t for _ in range(n)]
@@ -412,9 +412,9 @@ def test_masks_equal_objective_policy_loss(mode, which, monkeypatch):
     normaliser (deviation 5), in value and gradient."""
     log_prob, old, weights, adv, mask = random_batch(7, n=12)
     n, t = mask.shape
-    tau, delta = 0.03, 0.02
+    m2_threshold, delta = 0.03, 0.02
     if which != "opsm":
-        monkeypatch.setenv(verl_grpo.M2_THRESHOLD_ENV, str(tau))
+        monkeypatch.setenv(verl_grpo.M2_THRESHOLD_ENV, str(m2_threshold))
     if which != "m2po":
         monkeypatch.setenv(verl_grpo.OPSM_DELTA_ENV, str(delta))
     cfg = actor_config()
@@ -423,7 +423,7 @@ def test_masks_equal_objective_policy_loss(mode, which, monkeypatch):
 
     alpha = sampler_alpha_logp(old, weights)
     keep = torch.ones_like(mask)
-    m2po = corrections.m2po_keep_mask(alpha, old, mask, tau)
+    m2po = corrections.m2po_keep_mask(alpha, old, mask, m2_threshold)
     opsm = corrections.opsm_keep_mask(alpha, log_prob, adv, mask, delta).expand_as(mask)
     if which != "opsm":
         keep = keep & m2po

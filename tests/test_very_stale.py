@@ -134,8 +134,8 @@ def test_masked_frac_reads_whichever_mask_the_run_has():
 @pytest.mark.parametrize("seed", [0, 1])
 def test_on_policy_m2po_and_opsm_keep_every_token(seed):
     # The shared lag-0 baseline: at lag 0 with one inner step log alpha = log pi_k = log pi_theta where the gradient
-    # is taken, so M2PO's v_t = 0 (mean 0 < tau) and OPSM's mean of log alpha - log pi_theta = 0 (not > delta):
-    # neither mask drops anything, and both arms take [A]'s default gradient there.
+    # is taken, so M2PO's v_t = 0 (mean 0 < the M2 threshold) and OPSM's mean of log alpha - log pi_theta = 0 (not >
+    # delta): neither mask drops anything, and both arms take [A]'s default gradient there.
     torch = pytest.importorskip("torch")
     corrections = pytest.importorskip("variants.corrections")
     if not hasattr(corrections, "m2po_keep_mask") or not hasattr(corrections, "opsm_keep_mask"):

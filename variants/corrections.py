@@ -108,13 +108,13 @@ def m2po_keep_mask(
 
         M2_t = (log alpha(y_t) - log pi_k(y_t))^2 = (log rho'_t)^2     over the step's loss tokens, n of them
         sort them descending, M2_(1) >= ... >= M2_(n); drop the first m, keep the rest, where
-        m = the least j with mean(M2_(j+1), ..., M2_(n)) < tau,   or n - 1 when there is none (then M2_(n) >= tau)
+        m = the least j with mean(M2_(j+1), ..., M2_(n)) < m2_threshold,  or n - 1 if none
 
-    so the kept tokens' second moment is below tau, dropping as few tokens as that takes, the largest first. Ties at
-    the cut leave in the tokens' order (row-major: the earlier leaves first): a stable sort, so the mask does not
-    depend on the sort kernel (AReaL's unstable sort does). The suffix means are float64, a sum over every token of
-    the step. It depends on alpha and pi_k only: one mask for the whole step and all its inner steps, computed before
-    the first micro-batch (train.mask_prepass), where AReaL computes it per micro-batch of its engine.
+    so the kept tokens' second moment is below the M2 threshold, dropping as few tokens as that takes, the largest
+    first. Ties at the cut leave in the tokens' order (row-major: the earlier leaves first): a stable sort, so the mask
+    does not depend on the sort kernel (AReaL's unstable sort does). The suffix means are float64, a sum over every
+    token of the step. It depends on alpha and pi_k only: one mask for the whole step and all its inner steps, computed
+    before the first micro-batch (train.mask_prepass), where AReaL computes it per micro-batch of its engine.
     A non-finite M2 (log alpha = -inf) sorts first and leaves; on-policy (alpha = pi_k) every M2 is 0 and all stay.
     """
     check_m2_threshold(m2_threshold)
@@ -330,7 +330,7 @@ class MIS(Variant):
 @register("m2po")
 class M2PO(Variant):
     """M2PO (Zheng et al. 2025, AReaL's m2_threshold): the fewest tokens, the largest (log rho')^2 first, leave the
-    whole step so that the kept tokens' mean (log rho')^2 is below tau (`m2po_keep_mask`)."""
+    whole step so that the kept tokens' mean (log rho')^2 is below the M2 threshold (`m2po_keep_mask`)."""
 
     def __init__(self, m2_threshold: float):
         check_m2_threshold(m2_threshold)
@@ -385,13 +385,13 @@ def m2po_clip_bounds(logp, alpha_logp, advantages, loss_mask, budget: float, flo
         H = the loss tokens with A > 0 and rho > 1 or A < 0 and rho < 1 (`pushed_quadrants`), n = |H|,
         v_t = (log rho_t)^2 on H, M2 = mean_H v;   M2 <= budget (or n = 0): [lo, hi] = [0, 1e5] (no clip)
         else, v_(1) <= ... <= v_(n) ascending, c_j = sum_t min(v_t, v_(j)) (the M2 sum with every v capped at v_(j)),
-        k = the least j with c_j >= n * budget;   tau^2 = v_(k-1) - 1e-12 (0 when k = 1);   [lo, hi] = [e^-tau, e^tau]
+        k = the least j with c_j >= n * budget;   cap^2 = v_(k-1) - 1e-12 (0 when k = 1);   [lo, hi] = [e^-cap, e^cap]
 
-    tau is the largest breakpoint at which capping |log rho| leaves M2 of H below the budget (the authors do not
+    cap is the largest breakpoint at which capping |log rho| leaves M2 of H below the budget (the authors do not
     interpolate between breakpoints). floor=True: lo = min(lo, 0.7), hi = max(hi, 1.5), compute_m2po_policy_loss's
     own defaults (miniclip 0.3 / 0.5); its only caller, dp_actor, passes config.get("miniclip_low", None), which the
     released launchers (train-scripts/m2po-*.sh) never set, so the runs the paper reports had no floor. Their 1e-12
-    slack on tau^2 is kept (the token that sets tau falls just outside, clipped, not on the bound), those in their
+    slack on cap^2 is kept (the token that sets the cap falls just outside, clipped, not on the bound), those in their
     comparisons are left out. Returns (lo, hi, M2, n)."""
     check_m2po_budget(budget)
     d, active = pushed_quadrants(logp, alpha_logp, advantages, loss_mask)
@@ -405,25 +405,25 @@ def m2po_clip_bounds(logp, alpha_logp, advantages, loss_mask, budget: float, flo
         j = torch.arange(n, device=s.device, dtype=s.dtype)
         capped = s.cumsum(0) + torch.where(j < n - 1, (n - 1 - j) * s, 0.0)  # (n,) c_j (no 0 * inf at the top)
         k = int((capped >= n * budget).to(torch.int8).argmax())  # exists: c_(n) = n * M2 > n * budget
-        tau = math.sqrt(max(s[k - 1].item() - 1e-12, 0.0)) if k > 0 else 0.0  # their slack: v_(k-1) is clipped
-        lo, hi = math.exp(-tau), math.exp(tau)
+        cap = math.sqrt(max(s[k - 1].item() - 1e-12, 0.0)) if k > 0 else 0.0  # their slack: v_(k-1) is clipped
+        lo, hi = math.exp(-cap), math.exp(cap)
     if floor:
         lo, hi = min(lo, M2PO_CLIP_FLOOR[0]), max(hi, M2PO_CLIP_FLOOR[1])
     return lo, hi, m2, n
 
 
-def m2po_quadrant_keep(logp, alpha_logp, advantages, loss_mask, tau: float) -> torch.Tensor:
+def m2po_quadrant_keep(logp, alpha_logp, advantages, loss_mask, threshold: float) -> torch.Tensor:
     """The tokens the M2PO paper's final form keeps, (N, T) bool, True off the mask (ms-swift's `compute_m2po_mask`,
     Trinity-RFT's `M2POPolicyLossFn`, 2026: the paper's Algorithm 1 restricted to the pushed quadrants):
 
         H = the loss tokens with A > 0 and rho > 1 or A < 0 and rho < 1, rho = pi_theta / alpha (`pushed_quadrants`)
         v_t = (log rho_t)^2 on H, ascending v_(1) <= ... <= v_(n) (stable: ties in the tokens' order)
-        keep the longest prefix whose mean is <= tau: the first K with mean(v_(1..K)) <= tau, K = 0 when v_(1) > tau
+        keep the longest prefix whose mean is <= threshold: the first K with mean(v_(1..K)) <= threshold (K may be 0)
 
-    The largest v of H leave until the rest's mean is at most tau (all of H may leave); a token outside H never
-    does. Unlike `m2po_keep_mask` (AReaL): only H is ranked and counted, by pi_theta rather than pi_k, `<=` tau,
-    and no token is kept when none fits; a dropped token stays in the normaliser (the unit)."""
-    check_m2po_budget(tau, "m2po quadrant threshold")
+    The largest v of H leave until the rest's mean is at most the threshold (all of H may leave); a token outside H
+    never does. Unlike `m2po_keep_mask` (AReaL): only H is ranked and counted, by pi_theta rather than pi_k, `<=` the
+    threshold, and no token is kept when none fits; a dropped token stays in the normaliser (the unit)."""
+    check_m2po_budget(threshold, "m2po quadrant threshold")
     d, active = pushed_quadrants(logp, alpha_logp, advantages, loss_mask)
     keep = torch.ones_like(active).flatten()  # (N*T,)
     where = active.flatten().nonzero().squeeze(1)  # (n,) the flat indices of H, row-major
@@ -431,7 +431,7 @@ def m2po_quadrant_keep(logp, alpha_logp, advantages, loss_mask, tau: float) -> t
         return keep.view_as(active)
     s, order = torch.sort(d.flatten()[where].square(), stable=True)  # (n,) each
     prefix_mean = s.cumsum(0) / torch.arange(1, s.numel() + 1, device=s.device, dtype=s.dtype)  # (n,)
-    kept = int((prefix_mean <= tau).sum())  # the prefix means rise: the ones <= tau are a prefix
+    kept = int((prefix_mean <= threshold).sum())  # the prefix means rise: the ones <= threshold are a prefix
     keep[where[order[kept:]]] = False
     return keep.view_as(active)  # (N, T)
 
@@ -490,24 +490,24 @@ class M2POClip(Variant):
 @register("m2po-quadrant")
 class M2POQuadrant(Variant):
     """The M2PO paper's final form (`m2po_quadrant_keep`): the fewest pushed-quadrant tokens, the largest
-    (log pi_theta - log alpha)^2 first, lose their term so that the rest of the quadrants have M2 <= tau, and the
+    (log pi_theta - log alpha)^2 first, lose their term so that the rest of the quadrants have M2 <= threshold, and the
     surrogate is the unclipped ratio, the token count kept:
 
         loss = -(1 / Z) sum_{t in L} M_t rho_t A_t,   M = m2po_quadrant_keep,   Z counts L whatever M drops
 
-    (objective.policy_loss with the clip off, [lo, hi] = [0, inf), and A <- 0 where M = 0). tau is taken once over
+    (objective.policy_loss with the clip off, [lo, hi] = [0, inf), and A <- 0 where M = 0). M is taken once over
     the loss call's tokens: train.update's micro-batch (ms-swift's granularity; the whole step at the default)."""
 
-    def __init__(self, tau: float):
-        check_m2po_budget(tau, "m2po quadrant threshold")
-        self.tau = tau
+    def __init__(self, threshold: float):
+        check_m2po_budget(threshold, "m2po quadrant threshold")
+        self.threshold = threshold
 
     @classmethod
     def from_config(cls, cfg):
         return None if cfg.m2po_quadrant_threshold is None else cls(cfg.m2po_quadrant_threshold)
 
     def loss(self, x: LossInput, inner, **settings):
-        keep = m2po_quadrant_keep(x.logp, x.alpha_logp, x.advantages, x.loss_mask, self.tau)  # (N, T)
+        keep = m2po_quadrant_keep(x.logp, x.alpha_logp, x.advantages, x.loss_mask, self.threshold)  # (N, T)
         loss, stats = inner(zero_advantages(x, keep), **(settings | NO_CLIP))
         return loss, stats | {"m2po_quadrant_masked_frac": masked_mean((~keep).double(), x.loss_mask)}
 
