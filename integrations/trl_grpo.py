@@ -12,8 +12,8 @@ instead gets v = steps_per_generation / GA; it must be a multiple of GA, and agr
 set. Neither set: v = 1, stock TRL's one generation per optimizer step. A GRPO step is one optimizer step:
   1. every v x i steps (i = num_iterations) TRL generates the next v batches at once (vLLM gets the weights then),
      shuffles them and deals them out, GA slices a step; under DDP every rank does so at the same step;
-  2. TRL's reward functions, then `advantage.group_advantages` over the whole generation (population std, eps inside
-     the square root); with mask_zero_std, equal-reward groups leave the loss and its normaliser (in `loss_mask`);
+  2. TRL's reward functions, then `advantage.group_advantages` over the whole generation (population std, the
+     guard inside the root); with mask_zero_std, equal-reward groups leave the loss and its normaliser (in `loss_mask`);
   3. log alpha = TRL's `old_per_token_logps`: with v > 1 (or vLLM's correction on) TRL computes it at generation time
      from logits / tau; with v = mu = 1 alpha = pi_k and it is None. log pi_k = the step's own forward, detached (until
      the step's optimizer step pi_theta is pi_k); with num_iterations (i) > 1 TRL trains on each slice i times, and

@@ -25,7 +25,7 @@ def li(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, total=None):
 
 
 def test_group_advantages_hand_computed():
-    # Group 0: rewards 1,0,0,1 -> mu 0.5, population var 0.25, sigma 0.5 -> A = +-1 (up to eps).
+    # Group 0: rewards 1,0,0,1 -> mu 0.5, population var 0.25, sigma 0.5 -> A = +-1 (up to the guard).
     # Group 1: all equal -> zero advantages, invalid.  Group 2: 1,0,0,0 -> mu .25, var .1875.
     r = torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0])
     adv, valid = group_advantages(r, 4, guard=0.0)
@@ -58,7 +58,7 @@ def test_asymre_and_red():
     assert keep[0] and keep.sum() == 2  # one positive: keep it and exactly one negative
     adv, valid = group_advantages(r, 4, guard=0.0, keep=keep)
     assert torch.allclose(adv[keep], torch.tensor([1.0, -1.0])) and (adv[~keep] == 0).all() and (valid == keep).all()
-    # RED-Drop (--red drop) through the recipe: the same draw, the same advantages (eps = 1e-6 there).
+    # RED-Drop (--red drop) through the recipe: the same draw, the same advantages (the guard 1e-6 there).
     adv_r, valid_r = variants.recipe(Config(group_size=4, red="drop")).advantages(r, gen())
     assert torch.equal(valid_r, keep) and torch.allclose(adv_r[keep], torch.tensor([1.0, -1.0]), atol=1e-5)
     assert (adv_r[~keep] == 0).all()

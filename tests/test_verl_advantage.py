@@ -24,14 +24,14 @@ def outcome_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def loop_advantages(rewards: list[float], index: list[str], eps: float) -> list[float]:
-    """[A]'s advantage written out per group in plain Python: population std, eps inside the sqrt, 0 if equal."""
+def loop_advantages(rewards: list[float], index: list[str], guard: float) -> list[float]:
+    """[A]'s advantage written out per group in plain Python: population std, the guard inside the sqrt, 0 if equal."""
     out = []
     for i, uid in enumerate(index):
         group = [r for r, u in zip(rewards, index) if u == uid]
         mu = sum(group) / len(group)
         var = sum((r - mu) ** 2 for r in group) / len(group)
-        out.append(0.0 if max(group) == min(group) else (rewards[i] - mu) / (var + eps) ** 0.5)
+        out.append(0.0 if max(group) == min(group) else (rewards[i] - mu) / (var + guard) ** 0.5)
     return out
 
 
