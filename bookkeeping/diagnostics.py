@@ -16,26 +16,26 @@ def staleness_stats(alpha_logp: torch.Tensor, pi_k_logp: torch.Tensor, loss_mask
     of micro-batches do not combine (torch's quantiles take at most 2**24 = 16.7M tokens).
     """
     log_rho_prime = pi_k_logp.detach() - alpha_logp.detach()  # (N, T)
-    valid = loss_mask > 0  # (N, T)
+    counted = loss_mask > 0  # (N, T)
     rho_prime = torch.exp(log_rho_prime)  # (N, T)
     # Masked-out tokens become NaN, which nanquantile skips: no boolean indexing, so no device sync.
-    rho_valid = rho_prime.masked_fill(~valid, float("nan")).flatten()  # (N*T,)
-    rho_valid = rho_valid if rho_valid.dtype == torch.float64 else rho_valid.float()  # quantiles need fp32/64
-    q = torch.tensor([0.5, 0.99], dtype=rho_valid.dtype, device=rho_valid.device)  # (2,)
-    p50_p99 = torch.nanquantile(rho_valid, q) if rho_valid.numel() else torch.ones_like(q)  # (2,) linear interp.
-    rho_max = rho_prime.masked_fill(~valid, float("-inf")).amax() if rho_prime.numel() else torch.ones(())
+    rho_counted = rho_prime.masked_fill(~counted, float("nan")).flatten()  # (N*T,)
+    rho_counted = rho_counted if rho_counted.dtype == torch.float64 else rho_counted.float()  # quantiles need fp32/64
+    q = torch.tensor([0.5, 0.99], dtype=rho_counted.dtype, device=rho_counted.device)  # (2,)
+    p50_p99 = torch.nanquantile(rho_counted, q) if rho_counted.numel() else torch.ones_like(q)  # (2,) linear interp.
+    rho_max = rho_prime.masked_fill(~counted, float("-inf")).amax() if rho_prime.numel() else torch.ones(())
 
-    def valid_sum(x):
-        return torch.where(valid, x, torch.zeros_like(x)).sum()  # where(): an inf outside must not leak in
+    def counted_sum(x):
+        return torch.where(counted, x, torch.zeros_like(x)).sum()  # where(): an inf outside must not leak in
 
     # k1 and k3 of KL(alpha || pi_k) from tokens drawn from alpha: log(alpha / pi_k) = -log rho', and
     # pi_k/alpha - 1 - log(pi_k/alpha) = rho' - 1 - log rho' (>= 0).
     sums = {
-        "tokens": valid.sum(),
-        "kl_k1": valid_sum(-log_rho_prime),
-        "kl_k3": valid_sum(rho_prime - 1.0 - log_rho_prime),
-        "m2": valid_sum(log_rho_prime.square()),
-        "rho_prime": valid_sum(rho_prime),
+        "tokens": counted.sum(),
+        "kl_k1": counted_sum(-log_rho_prime),
+        "kl_k3": counted_sum(rho_prime - 1.0 - log_rho_prime),
+        "m2": counted_sum(log_rho_prime.square()),
+        "rho_prime": counted_sum(rho_prime),
         "p50": p50_p99[0],
         "p99": p50_p99[1],
         "max": rho_max.to(rho_prime.dtype),

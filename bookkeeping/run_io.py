@@ -840,7 +840,7 @@ PANELS = [
     ("reward", "mean reward of the step's samples", ["reward"]),
     ("held-out accuracy", "greedy accuracy", ["eval_accuracy"]),
     ("KL to pi_ref", "mean k3 KL", ["kl"]),
-    ("clip fractions", "fraction of valid tokens", ["clip_low", "clip_high"]),
+    ("clip fractions", "fraction of the loss's tokens", ["clip_low", "clip_high"]),
     ("staleness", "rho' = pi_k / alpha", ["rho_prime_max", "rho_prime_p99", "rho_prime_mean"]),
     ("entropy", "nats per token", ["entropy"]),
 ]

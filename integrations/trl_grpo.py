@@ -23,8 +23,8 @@ set. Neither set: v = 1, stock TRL's one generation per optimizer step. A GRPO s
      step over its GA slices and all P ranks, is counted when the generation is dealt out; each rank divides its sum
      by Z / P, so DDP's gradient average is exactly sum / Z, as on one device.
 Legend (TRL field -> symbol): offpolicy_steps v, epsilon eps_low, epsilon_high eps_high, beta, temperature tau,
-num_iterations i, num_generations G; loss_type -> Z: dapo -> token-mean (valid tokens), grpo -> seq-mean (valid
-sequences), dr_grpo -> constant (N * max_completion_length): stock TRL's own normalisers when nothing is masked;
+num_iterations i, num_generations G; loss_type -> Z: dapo -> token-mean (loss tokens), grpo -> seq-mean (sequences
+with one), dr_grpo -> constant (N * max_completion_length): stock TRL's own normalisers when nothing is masked;
 bnpo (per micro-batch), cispo, sapo, luspo, vespo have no counterpart and are a one-line error.
 
 vLLM: TRL's `vllm_importance_sampling_correction` keeps its default (on). The engine samples from alpha_e (alpha's
@@ -267,15 +267,15 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         start = counts[: self.accelerator.process_index].sum().item()
         keep = keep[start : start + mine.numel()]  # (this rank's,)
         for s in slices:
-            valid = s["loss_mask"] > 0  # (n, T)
-            s["m2po_keep"] = torch.ones_like(valid)  # (n, T) True off the loss
-            s["m2po_keep"][valid], keep = keep[: valid.sum()], keep[valid.sum() :]
+            counted = s["loss_mask"] > 0  # (n, T)
+            s["m2po_keep"] = torch.ones_like(counted)  # (n, T) True off the loss
+            s["m2po_keep"][counted], keep = keep[: counted.sum()], keep[counted.sum() :]
         self._set_step_normalisers(slices, group=len(slices))
 
     def _set_step_normalisers(self, slices: list[dict], group: int) -> None:
         """`loss_total` = Z of each optimizer step: its `group` consecutive slices, summed over all ranks (1 gather).
 
-        Z counts valid tokens (token-mean), sequences with one (seq-mean) or n * max_completion_length (constant)."""
+        Z counts loss tokens (token-mean), sequences with one (seq-mean) or n * max_completion_length (constant)."""
         agg = LOSS_TYPES[self.args.loss_type]
         counts = []
         for s in slices:

@@ -229,13 +229,13 @@ def test_the_masks_in_policy_loss_match_the_loop_in_value_and_gradient(center, w
             up[i][j] += h
             dn[i][j] -= h
             assert x.grad[i, j].item() == pytest.approx((loop(up) - loop(dn)) / (2 * h), abs=1e-6), (i, j)
-    # The figures: M2PO's share of the valid tokens (the step's), OPSM's share of the tokens the loss keeps.
-    valid = [(i, j) for i in range(n) for j in range(t) if mk[i][j]]
-    kept = [(i, j) for i, j in valid if k[i][j]]
+    # The figures: M2PO's share of the loss tokens (the step's), OPSM's share of the tokens the loss keeps.
+    counted = [(i, j) for i in range(n) for j in range(t) if mk[i][j]]
+    kept = [(i, j) for i, j in counted if k[i][j]]
     assert stats["tokens"] == len(kept)
     figures = step_figures(alpha, pi_k, mask, **flags)
     if which != "opsm":
-        assert figures["m2po_masked_frac"] == pytest.approx((len(valid) - len(kept)) / len(valid), abs=1e-15)
+        assert figures["m2po_masked_frac"] == pytest.approx((len(counted) - len(kept)) / len(counted), abs=1e-15)
     else:
         assert "m2po_masked_frac" not in figures
     if which != "m2po":

@@ -155,17 +155,17 @@ def test_policy_loss_matches_loop_value_and_gradient(center, agg, stale, beta):
             assert x.grad[i, j].item() == pytest.approx(fd, abs=1e-6), (i, j)
     # The clip fractions, counted token by token: a token is clipped when its ratio has left the interval
     # on the side its advantage pushes it towards (the min() then takes the flat branch).
-    low = high = valid = 0
+    low = high = counted = 0
     for i in range(logp.shape[0]):
         for j in range(logp.shape[1]):
             if mask[i, j]:
                 rho = math.exp(logp[i, j].item() - alpha_logp[i, j].item())
                 rho_p = 1.0 if pi_k_logp is None else math.exp(pi_k_logp[i, j].item() - alpha_logp[i, j].item())
                 lo, hi = (max(rho_p - 0.2, 0.0), rho_p + 0.28) if center == "pi_k" else (0.8, 1.28)
-                valid += 1
+                counted += 1
                 low += int(rho < lo and adv[i].item() < 0)
                 high += int(rho > hi and adv[i].item() > 0)
-    assert (stats["clip_low"], stats["clip_high"]) == pytest.approx((low / valid, high / valid), abs=1e-12)
+    assert (stats["clip_low"], stats["clip_high"]) == pytest.approx((low / counted, high / counted), abs=1e-12)
 
 
 def test_clipped_tokens_get_zero_gradient_on_the_pushed_side():

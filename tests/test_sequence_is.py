@@ -48,7 +48,7 @@ def unit_terms(x: LossInput, **flags):
 
 
 def level_ratio_loop(alpha_logp, pi_k_logp, mask, i, level):
-    """R_i (the product of rho'_t) or G_i (their geometric mean) over sequence i's valid tokens, in floats."""
+    """R_i (the product of rho'_t) or G_i (their geometric mean) over sequence i's loss tokens, in floats."""
     logs = [pi_k_logp[i][j] - alpha_logp[i][j] for j in range(len(mask[i])) if mask[i][j]]
     if not logs:
         return 1.0
@@ -95,7 +95,7 @@ def batch(seed, n=10, t=6, spread=0.5):
     alpha_logp, pi_k_logp, ref_logp = logp + 2 * spread * u(), logp + 2 * spread * u(), logp + u()
     adv = torch.randn(n, generator=g, dtype=torch.float64)
     mask = (torch.rand(n, t, generator=g) > 0.25).long()
-    mask[0] = 0  # an invalid group's member: no valid token
+    mask[0] = 0  # an invalid group's member: no loss token
     alpha_logp[mask == 0] += 300.0  # padding far off: it must not reach a sequence's ratio
     return logp, alpha_logp, pi_k_logp, ref_logp, adv, mask
 
@@ -119,7 +119,7 @@ BAND = {"sequence": 2.0, "geometric": 1.12}
 def test_sequence_forms_match_the_loop_in_value_and_gradient(level, center, cap, mis, agg, beta):
     logp, alpha_logp, pi_k_logp, ref_logp, adv, mask = batch(seed=3)
     cap, mis = (CAP[level] if cap else None), (BAND[level] if mis else None)
-    # The case is not trivial: the level ratio of the valid sequences lies on both sides of the cap / band.
+    # The case is not trivial: the level ratio of the sequences with a loss token lies on both sides of the cap / band.
     ratios = [level_ratio_loop(alpha_logp.tolist(), pi_k_logp.tolist(), mask.tolist(), i, level) for i in range(1, 10)]
     for bound in [b for b in (cap, mis) if b is not None]:
         assert min(ratios) < 1 / bound or max(ratios) > bound, ratios
@@ -160,15 +160,15 @@ def test_keep_mask_statistics_and_micro_batches_follow_the_sequence(level):
     extra = correction_args(alpha_logp, pi_k_logp, mask, is_cap=cap, is_mask=mis, is_level=level)
     assert keep.shape == mask.shape and torch.equal(keep, extra["keep"])
     assert torch.equal(MIS(mis, level).step_keep(alpha_logp, pi_k_logp, mask)[0], keep)  # the unit's keep
-    valid = [i for i in range(10) if mask[i].any()]
-    ratios = {i: level_ratio_loop(alpha_logp.tolist(), pi_k_logp.tolist(), mask.tolist(), i, level) for i in valid}
-    for i in valid:  # a whole sequence is kept or dropped
+    scored = [i for i in range(10) if mask[i].any()]
+    ratios = {i: level_ratio_loop(alpha_logp.tolist(), pi_k_logp.tolist(), mask.tolist(), i, level) for i in scored}
+    for i in scored:  # a whole sequence is kept or dropped
         assert keep[i].all().item() == (1 / mis <= ratios[i] <= mis) and keep[i].all() == keep[i].any()
-    # The fractions count tokens: those of the dropped sequences of all valid tokens, and those of the kept ones
+    # The fractions count tokens: those of the dropped sequences of all loss tokens, and those of the kept ones
     # above the cap of the tokens the loss keeps (a dropped sequence is dropped, not capped).
     n = mask.sum().item()
-    masked = sum(mask[i].sum().item() for i in valid if not 1 / mis <= ratios[i] <= mis)
-    capped = sum(mask[i].sum().item() for i in valid if 1 / mis <= ratios[i] <= mis and ratios[i] > cap)
+    masked = sum(mask[i].sum().item() for i in scored if not 1 / mis <= ratios[i] <= mis)
+    capped = sum(mask[i].sum().item() for i in scored if 1 / mis <= ratios[i] <= mis and ratios[i] > cap)
     flags = dict(clip_center="decoupled", is_cap=cap, is_mask=mis, is_level=level)
     st = step_figures(alpha_logp, pi_k_logp, mask, **flags)
     assert masked > 0 and capped > 0
@@ -339,7 +339,7 @@ def test_the_product_form_is_stock_trls_sequence_truncate_and_sequence_mask(tok,
         o = unit_terms(LossInput(old, alpha, old, None, torch.ones(len(rows)), mask * keep), **flags)
         return o, (keep if "is_mask" in kw else None)
 
-    valid = mask.bool()
+    counted = mask.bool()
     runs = [
         (dict(vllm_importance_sampling_mode="sequence_truncate", vllm_importance_sampling_clip_max=C), dict(is_cap=C)),
         (
@@ -355,7 +355,7 @@ def test_the_product_form_is_stock_trls_sequence_truncate_and_sequence_mask(tok,
         old2, mask2, ratio = trl_ratio(tmp_path, tok, rows, completions, sampler, **trl_args)
         assert torch.equal(old2, old) and torch.equal(mask2, mask) and ratio.shape == (len(rows), 1)
         w, keep = ours(**our_args)
-        torch.testing.assert_close(w[valid], ratio.expand_as(w)[valid].to(w.dtype), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(w[counted], ratio.expand_as(w)[counted].to(w.dtype), atol=1e-6, rtol=1e-6)
         if keep is None:  # truncation acted on some sequences and not on others
             assert (ratio == C).any() and ((ratio < C) & (ratio > 0)).any()
         else:
@@ -389,7 +389,7 @@ def test_the_sequence_forms_are_verls_rollout_correction(level, option):
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights, compute_rollout_rejection_mask
 
     logp, alpha_logp, pi_k_logp, _, adv, mask = batch(seed=3)
-    mask[0, 0] = 1  # verl wants every sequence to have a valid token
+    mask[0, 0] = 1  # verl wants every sequence to have a response token
     cap, mis = CAP[level], BAND[level]
     keep = correction_args(alpha_logp, pi_k_logp, mask, is_mask=mis, is_level=level)["keep"]
     assert torch.equal(MIS(mis, level).step_keep(alpha_logp, pi_k_logp, mask)[0], keep)  # the unit's

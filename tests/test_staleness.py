@@ -43,7 +43,7 @@ def step_figures(alpha_logp, pi_k_logp, mask, **flags):
 def loop_loss(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, *, center, agg, beta, kl_estimator, is_cap, is_mask):
     """The objective of policy_loss's docstring with the units' corrections, token by token in Python floats.
 
-    Returns (loss, number of valid tokens MIS dropped, number of kept tokens TIS capped, figures over the kept
+    Returns (loss, number of loss tokens MIS dropped, number of kept tokens TIS capped, figures over the kept
     tokens: the fractions of clipped tokens on each side and the mean ratio, rho or, decoupled, r)."""
     n, t = len(logp), len(logp[0])
     seq_terms, all_terms, dropped, capped = [], [], 0, 0
@@ -162,15 +162,15 @@ def test_policy_loss_matches_loop_value_and_gradient(center, seed_c, agg, seed_a
             dn[i][j] -= h
             fd = (loop(up)[0] - loop(dn)[0]) / (2 * h)
             assert x.grad[i, j].item() == pytest.approx(fd, abs=1e-6), (i, j)
-    n_valid = mask.sum().item()
-    assert stats["tokens"] == n_valid - dropped  # the loss's statistics are over the tokens MIS keeps
+    n_counted = mask.sum().item()
+    assert stats["tokens"] == n_counted - dropped  # the loss's statistics are over the tokens MIS keeps
     for key in ("clip_low", "clip_high", "rho_mean"):
         assert stats[key] == pytest.approx(figures[key], rel=1e-12, abs=1e-15), key
     mismatch = step_figures(alpha_logp, pi_k_logp, mask, clip_center=center, is_cap=is_cap, is_mask=is_mask)
-    assert mismatch.get("is_masked_frac", 0.0) == pytest.approx(dropped / n_valid)  # of the valid tokens
+    assert mismatch.get("is_masked_frac", 0.0) == pytest.approx(dropped / n_counted)  # of the loss tokens
     assert ("is_masked_frac" in mismatch) == (is_mask is not None)
     if is_cap is not None:  # of the tokens the loss keeps: a token MIS dropped is dropped, not capped
-        assert mismatch["is_capped_frac"] == pytest.approx(capped / (n_valid - dropped))
+        assert mismatch["is_capped_frac"] == pytest.approx(capped / (n_counted - dropped))
     else:
         assert "is_capped_frac" not in mismatch
     # The case exercises what it claims to: MIS drops, TIS caps, the clip acts somewhere.
@@ -227,7 +227,7 @@ def test_tis_caps_the_weight_of_the_decoupled_objective():
         assert loss.item() == pytest.approx(-2.0 * sum(w) / 4)
         figures = step_figures(alpha_logp, pi_k_logp, mask, clip_center="decoupled", is_cap=cap)
         assert figures.get("is_capped_frac") == (None if cap is None else 0.5)  # no TIS: no figure
-    # With MIS as well, a dropped token counts as dropped, not capped: rho' = 8 leaves (1 of 4 valid tokens),
+    # With MIS as well, a dropped token counts as dropped, not capped: rho' = 8 leaves (1 of 4 loss tokens),
     # rho' = 3 is capped (1 of the 3 tokens the loss keeps).
     stats = step_figures(alpha_logp, pi_k_logp, mask, clip_center="decoupled", is_cap=2.0, is_mask=4.0)
     assert stats["is_capped_frac"] == pytest.approx(1 / 3) and stats["is_masked_frac"] == 0.25
@@ -421,12 +421,12 @@ def test_micro_batches_with_mis_add_up_to_the_whole_step(agg, center, is_cap):
             assert parts == pytest.approx(whole.item(), rel=1e-12)
             torch.testing.assert_close(y.grad, x.grad, rtol=1e-12, atol=1e-15)
         else:
-            # The normaliser of all valid tokens is the wrong one: MIS really changes it here.
+            # The normaliser of all loss tokens is the wrong one: MIS really changes it here.
             assert parts != pytest.approx(whole.item(), rel=1e-6)
 
 
 def test_staleness_stats_hand_computed():
-    # rho' = 1, 2.5, 0.5, 4 on the valid tokens (a fifth, masked, token has rho' = 100).
+    # rho' = 1, 2.5, 0.5, 4 on the loss tokens (a fifth, masked, token has rho' = 100).
     rho_p = torch.tensor([[1.0, 2.5, 0.5, 4.0, 100.0]], dtype=torch.float64)
     alpha_logp = torch.full((1, 5), -2.0, dtype=torch.float64)
     pi_k_logp = alpha_logp + torch.log(rho_p)
@@ -439,7 +439,7 @@ def test_staleness_stats_hand_computed():
     # Sorted 0.5, 1, 2.5, 4: the median interpolates 1 and 2.5; p99 sits at 0.97 of the way from 2.5 to 4.
     assert st["rho_prime_p50"] == pytest.approx(1.75) and st["rho_prime_p99"] == pytest.approx(2.5 + 0.97 * 1.5)
     assert st["m2"] == pytest.approx(sum(math.log(v) ** 2 for v in vals) / 4)  # M2PO's second moment
-    # MIS drops rho' = 4 (outside [1/3, 3]: 1 of 4 valid tokens); TIS caps rho' = 2.5 (1 of the 3 kept tokens: the
+    # MIS drops rho' = 4 (outside [1/3, 3]: 1 of 4 loss tokens); TIS caps rho' = 2.5 (1 of the 3 kept tokens: the
     # dropped 4 is not counted as capped).
     assert st["is_masked_frac"] == 0.25 and st["is_capped_frac"] == pytest.approx(1 / 3)
     # policy_loss does not compute them (a step does, once): its statistics are pi_theta's.

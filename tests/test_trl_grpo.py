@@ -54,7 +54,7 @@ def test_parity_with_stock_trl(policy_dir, tmp_path, loss_type, bias_kl):
     stock.model.train()
     ours._prepare_inputs(rows(ours, 4))  # TRL's schedule: generate, shuffle, deal out the step's two slices
     slices = ours._buffered_inputs
-    # one Z for the step: the valid tokens of both slices (dapo; masking off, so every completion token)
+    # one Z for the step: the loss tokens of both slices (dapo; masking off, so every completion token)
     tokens = sum(m["completion_mask"].sum().item() for m in slices)
     assert len(slices) == 2 and slices[0]["loss_total"].item() == slices[1]["loss_total"].item()
     assert loss_type != "dapo" or slices[0]["loss_total"].item() == tokens

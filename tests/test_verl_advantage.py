@@ -17,7 +17,7 @@ from integrations import verl_grpo  # noqa: F401, E402 (importing it registers g
 
 
 def outcome_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """verl's token_level_rewards: the outcome reward on each response's last valid token, 0 elsewhere."""
+    """verl's token_level_rewards: the outcome reward on each response's last token, 0 elsewhere."""
     last = mask.long().sum(dim=1) - 1  # (N,)
     out = torch.zeros(mask.shape, dtype=torch.float32)  # (N, T)
     out[torch.arange(len(rewards)), last] = rewards

@@ -3,7 +3,7 @@
 Runs only where verl is installed (CI's .venv-verl); elsewhere the whole module is skipped.
 Aggregation map, verl's loss_agg_mode -> objective.py's agg, with verl's global_batch_info as its trainer sets
 it (global_batch_size = all N sequences of the mini-batch, loss_scale_factor unset = the padded length T):
-    token-mean              -> token-mean          (sum / valid tokens)
+    token-mean              -> token-mean          (sum / loss tokens)
     seq-mean-token-mean     -> seq-mean, total=N   (mean of per-sequence token means over N sequences)
     seq-mean-token-sum-norm -> constant, max_new_tokens=T   (sum / (N * T), Dr. GRPO)
 """
@@ -69,7 +69,7 @@ def loss_input(logp, alpha_logp, pi_k_logp, adv, mask, total=None) -> objective.
 def random_batch(seed: int, n: int = 8, t: int = 6, stale: bool = True):
     """verl-shaped tensors in float64: log_prob, old_log_prob (log pi_k), rollout_is_weights, A (N,), mask.
 
-    rollout_is_weights = pi_k / alpha on valid tokens and 0 on padding, as verl's rollout correction gives them.
+    rollout_is_weights = pi_k / alpha on response tokens and 0 on padding, as verl's rollout correction gives them.
     Every sequence keeps at least one token.
     """
     g = torch.Generator().manual_seed(seed)

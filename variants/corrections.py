@@ -118,9 +118,9 @@ def m2po_keep_mask(
     A non-finite M2 (log alpha = -inf) sorts first and leaves; on-policy (alpha = pi_k) every M2 is 0 and all stay.
     """
     check_m2_threshold(m2_threshold)
-    valid = (loss_mask > 0).flatten()  # (N*T,)
-    m2 = (alpha_logp.detach().double() - pi_k_logp.detach().double()).square().flatten()[valid]  # (n,)
-    keep = torch.ones_like(valid)  # (N*T,) True outside the loss: the caller multiplies by loss_mask
+    counted = (loss_mask > 0).flatten()  # (N*T,)
+    m2 = (alpha_logp.detach().double() - pi_k_logp.detach().double()).square().flatten()[counted]  # (n,)
+    keep = torch.ones_like(counted)  # (N*T,) True outside the loss: the caller multiplies by loss_mask
     n = m2.numel()
     if n == 0:
         return keep.view_as(loss_mask)
@@ -135,7 +135,7 @@ def m2po_keep_mask(
     kept_sorted = torch.arange(n, device=m2.device) >= m  # (n,)
     kept = torch.empty_like(kept_sorted)
     kept[order] = kept_sorted  # (n,) back in the tokens' order
-    keep[valid] = kept
+    keep[counted] = kept
     return keep.view_as(loss_mask)  # (N, T)
 
 
@@ -158,10 +158,10 @@ def opsm_keep_mask(
     mask may change from one inner step to the next; a per-sequence mean, it does not depend on the micro-batches.
     """
     check_opsm_delta(delta)
-    valid = loss_mask > 0  # (N, T)
+    counted = loss_mask > 0  # (N, T)
     k1 = alpha_logp.detach().double() - logp.detach().double()  # (N, T) log alpha - log pi_theta
-    k1 = torch.where(valid & ~k1.isnan(), k1, 0.0)  # where(): an inf on padding must not reach the sum
-    d = k1.sum(dim=1, keepdim=True) / valid.sum(dim=1, keepdim=True).clamp(min=1)  # (N, 1) D_i
+    k1 = torch.where(counted & ~k1.isnan(), k1, 0.0)  # where(): an inf on padding must not reach the sum
+    d = k1.sum(dim=1, keepdim=True) / counted.sum(dim=1, keepdim=True).clamp(min=1)  # (N, 1) D_i
     A = advantages.detach()
     A = A.unsqueeze(1) if A.dim() == 1 else A  # (N, 1) or (N, T)
     return (A >= 0) | (d <= delta)  # (N, 1) or (N, T)
@@ -369,11 +369,11 @@ def check_dppo_delta(delta: float | None) -> None:
 def pushed_quadrants(logp, alpha_logp, advantages, loss_mask):
     """(d, active), each (N, T): d = log pi_theta - log alpha (float64, detached; 0 off the mask) and the loss tokens
     whose ratio moved the way A pushes it, A > 0 with d > 0 or A < 0 with d < 0 (PPO's clip acts only there)."""
-    valid = loss_mask > 0  # (N, T)
-    d = torch.where(valid, logp.detach().double() - alpha_logp.detach().double(), 0.0)  # (N, T)
+    counted = loss_mask > 0  # (N, T)
+    d = torch.where(counted, logp.detach().double() - alpha_logp.detach().double(), 0.0)  # (N, T)
     A = advantages.detach().double()
     A = A.unsqueeze(1) if A.dim() == 1 else A  # (N, 1) or (N, T)
-    return d, valid & (((A > 0) & (d > 0)) | ((A < 0) & (d < 0)))  # (N, T) each
+    return d, counted & (((A > 0) & (d > 0)) | ((A < 0) & (d < 0)))  # (N, T) each
 
 
 def m2po_clip_bounds(logp, alpha_logp, advantages, loss_mask, budget: float, floor: bool = False):
