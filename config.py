@@ -202,7 +202,7 @@ class Config:
         "weight the KL term's per-token estimate by rho = pi_theta / alpha (TRL's use_bias_correction_kl, "
         "DeepSeek-V3.2): on alpha's samples it then estimates KL(pi_theta || pi_ref), the term [A] writes",
     )
-    ref_refresh: int = arg(0, "copy the policy into pi_ref every this many steps (0 = never; not alpha's refresh)")
+    ref_refresh: int = arg(0, "a reset of the KL reference, pi_ref <- the policy, every this many steps (0 = never)")
     agg: str = arg(
         "token-mean",
         "loss aggregation: token-mean, seq-mean (GRPO), constant (Dr. GRPO)",

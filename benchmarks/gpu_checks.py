@@ -417,7 +417,7 @@ class Checks:
             optimizer_step(model, before)  # outside autocast, as train.update's backward and step
             c0, r0 = g.captures, g.replays
             with bf16(self.device):
-                after = sample(model, tok, ids, mask, fast=True)  # the reused decoder: its bf16 weights refreshed
+                after = sample(model, tok, ids, mask, fast=True)  # the reused decoder: its bf16 weights recast
             captures, replays = g.captures - c0, g.replays - r0
             fresh_model = copy.deepcopy(model)  # another model object: a decoder (and graph) of its own, cast anew
             with bf16(self.device):

@@ -18,7 +18,7 @@ uses as given, so it applies only to models with sdpa attention and full-attenti
 on the plain path.
 
 Under autocast the decoders keep one copy of the Linear layers' weights in the autocast dtype, shared by every
-shape's decoder of the model and refreshed once per `generate` call: a captured graph cannot use autocast's
+shape's decoder of the model and recast once per `generate` call: a captured graph cannot use autocast's
 weight-cast cache (it would freeze the casts of the weights as they were at capture), so without them every
 replayed token would cast every weight again.
 """
@@ -296,7 +296,7 @@ _WEIGHTS = weakref.WeakKeyDictionary()
 
 def shared_weights(model, dtype) -> dict[str, torch.Tensor]:
     """`linear_weights(model, dtype)`, made once per model and dtype and shared by its static decoders (each
-    refreshes them at its prefill: an optimizer step changed the originals in place)."""
+    recasts them at its prefill: an optimizer step changed the originals in place)."""
     per_dtype = _WEIGHTS.setdefault(model, {})
     if dtype not in per_dtype:
         per_dtype[dtype] = linear_weights(model, dtype)

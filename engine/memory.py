@@ -11,7 +11,7 @@ What a step (train.grpo_step) holds, by phase; each item is a formula of engine/
         moments (allocated by the first update, then kept: counted from the start); the queue (--lag s: s + 1
         batches, --offpolicy-steps v: v, at most --steps) at engine.queue_fit.queue_batch_bytes each
     kept decoders, every phase (engine.decoding keeps up to MAX_DECODERS, the least recently used dropped)
-        one per sampling shape: the refresh's calls of --sample-rows rows and the last, smaller call; under --lag
+        one per sampling shape: the first draw's calls of --sample-rows rows and the last, smaller call; under --lag
         the later steps' one batch; evaluation's calls (256 rows, and the remainder). Each holds its KV cache
         (policy.kv_bytes_per_row) and, on CUDA, its graph's private pool (`graph_pool_bytes`); the decoders of a
         model share one cast of its Linear weights under autocast
@@ -22,7 +22,7 @@ What a step (train.grpo_step) holds, by phase; each item is a formula of engine/
     update     autocast's cast of the matrices, the micro-batch's activations (policy.activation_bytes_per_token),
                the head's chunks and grad_w (policy.head_bytes)
 
-The micro-batch and the sampling rows are the defaults as engine.policy sizes them at the run's first refresh and
+The micro-batch and the sampling rows are the defaults as engine.policy sizes them at the run's first draw and
 first update (or the flags'); the plan fits when each phase's peak leaves 15% of what the long-lived bytes
 (resident and decoders) leave of the budget (policy.HEADROOM: the allocator's fragmentation), the rule the defaults
 are sized by. tests/test_memory_plan.py shows --lag 4 and
@@ -98,7 +98,7 @@ class Plan:
     items: list[tuple[str, str, int]]
     budget: int | None  # the bytes the process may hold (None: unknown, a CPU)
     micro_batch: int
-    sample_rows: int  # rows a sampling call holds at the refresh
+    sample_rows: int  # rows a sampling call holds at the first draw
     decoders: list[tuple[int, int]] = field(default_factory=list)  # (rows, columns) of each kept decoder
 
     def total(self, phase: str) -> int:
@@ -207,11 +207,11 @@ def memory_plan(
     items.append(("resident", f"the queue: {held} batch(es) x {per_batch / 1e6:.1f} MB", held * per_batch))
     casts = linear_matrix_bytes(model, amp) if amp is not None else 0
 
-    # The refresh's sampling calls, sized as auto_sample_rows sizes them at the first refresh: the weights and
-    # pi_ref allocated, the training state and autocast's casts pending.
+    # The first draw's sampling calls, sized as auto_sample_rows sizes them then (a refresh, or --lag's s + 1): the
+    # weights and pi_ref allocated, the training state and autocast's casts pending.
     resident0 = weights * (2 if cfg.beta > 0 and not cfg.lora_rank else 1)
     pending = state + casts
-    first_rows = held * n if cfg.lag is not None else cfg.offpolicy_steps * n  # rows the first refresh samples
+    first_rows = held * n if cfg.lag is not None else cfg.offpolicy_steps * n  # rows the first step draws
     first_rows = min(first_rows, cfg.steps * n)
     free = None if budget is None else budget - resident0
     if cfg.sample_rows:

@@ -437,7 +437,7 @@ class BF16AdamW(torch.optim.Optimizer):
 @dataclass
 class Models:
     """What a step reads and changes: the trained policy, its optimizer, and pi_ref. alpha is no model: it is the
-    policy at the last refresh, which sampled the refresh period's batches then (train.py's docstring)."""
+    policy of the step that drew the batch (the last refresh, or step k - s under --lag s; train.py's docstring)."""
 
     policy: torch.nn.Module  # pi_theta
     opt: torch.optim.Optimizer

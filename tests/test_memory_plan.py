@@ -77,7 +77,7 @@ def test_the_plan_counts_the_last_smaller_sampling_call_and_evaluations_decoders
     # --sample-rows 1368: the last call, 680 rows, has a decoder (and graph pool) of its own, counted.
     p = plan(qwen, offpolicy_steps=4, sample_rows=1368)
     assert sorted(r for r, _ in p.decoders) == [244, 256, 680, 1368]
-    # --lag 4: the first refresh samples 5 batches (2560 rows: 2 calls of 1280), each later step one (512 rows).
+    # --lag 4: the first step draws 5 batches (2560 rows: 2 calls of 1280), each later step one (512 rows).
     p = plan(qwen, lag=4)
     assert sorted(r for r, _ in p.decoders) == [244, 256, 512, 1280]
 
