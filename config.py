@@ -117,7 +117,7 @@ class Config:
         "recompute",
         "log alpha: recompute (a batch sampled at its own step: pi_k's own forward, alpha = pi_k; a batch drawn "
         "ahead: a no-grad forward of pi_theta when it sampled, the training forward's numerics) or sampler (the "
-        "log-probs the sampler recorded, for every batch, the refresh step's too; no extra forward)",
+        "log-probs the sampling loop recorded, for every batch, the refresh step's too; no extra forward)",
         ["recompute", "sampler"],
     )
     sample_rows: int | None = arg(
@@ -258,7 +258,7 @@ class Config:
     eval_top_k: int | None = arg(None, "top-k of the k evaluation samples (default: --top-k)")
     eval_top_p: float | None = arg(None, "top-p of the k evaluation samples (default: --top-p)")
     eval_min_p: float | None = arg(None, "min-p of the k evaluation samples (default: --min-p)")
-    seed: int = arg(0, "seed of the data order, the sampler and everything else")
+    seed: int = arg(0, "seed of the data order, the sampling and everything else")
     device: str = arg("auto", "auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
     dtype: str = arg(
         "auto", "auto (bfloat16 autocast on cuda, float32 on cpu), float32, bfloat16", ["auto", "float32", "bfloat16"]

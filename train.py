@@ -393,7 +393,7 @@ def train(cfg: Config) -> dict:
         policy, tokenizer = load_policy(cfg, log=writer.log)  # the built-in tiny policy, or a transformers causal LM
         train_set, heldout = fit_to_context(cfg, policy, tokenizer, train_set, heldout, log=writer.log)
         models = make_models(cfg, policy.to(cfg.device))
-        if cfg.compile:  # the fast sampler's step and the head's chunk functions, compiled at their first calls
+        if cfg.compile:  # the fast sampling loop's step and the head's chunk functions, compiled at their first calls
             compile_hot_paths()
         check_queue_fits(cfg, tokenizer, train_set, torch.device(cfg.device))  # a queue that cannot fit: refused
         plan = plan_line(cfg, models.policy, tokenizer, train_set, heldout)  # every byte of a step, predicted

@@ -315,7 +315,7 @@ def bench_ours(cfg: Config, args, model, tok, words) -> dict:
     finally:
         train.update = plain_update
         rollout.generate = plain_generate
-    # The sampler's log alpha against a full forward (train.sampler_mismatch), over the steps that measure it.
+    # The sampling loop's log alpha against a full forward (train.sampler_mismatch), over the steps that measure it.
     mismatch = [r["sampler_mismatch"] for r in rows if r["sampler_mismatch"] is not None]
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     mean = lambda key: statistics.fmean(r[key] for r in rows)  # noqa: E731

@@ -36,7 +36,7 @@
 # time left is skipped with one line ("== NAME: skipped: expected Ns, Ms left"), never a failure. In the order a
 # first device run must learn them, expected / limit:
 #   checks      30 s / 90 s   the small models' checks (the issue's estimate)
-#   v1          35 s / 130 s  15 s + 3 steps x 2.75 s + ~10 s of token timings (4 x 32 tokens of each sampler, the head)
+#   v1          35 s / 130 s  15 s + 3 steps x 2.75 s + ~10 s of token timings (4 x 32 tokens of each sampling loop, the head)
 #   cap40       25 s / 75 s   15 s + 2 steps x ~3.2 s (micro-batch 16, not 32) + margin
 #   v4          45 s / 30 s + 16 v1 steps   15 s + 2 refresh periods x 4 steps x 3.0 s + margin
 #   lag4        35 s / 30 s + 16 v1 steps   15 s + the first step (5 batches: ~8 s) + 3 steps x 2.9 s + margin

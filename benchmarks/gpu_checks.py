@@ -19,7 +19,7 @@ one JSON line with every check's result and figures. The exit status is 1 if any
                             torch.cuda.CUDAGraph); on the CPU it says "static-cache" and decodes eagerly
     greedy <model>          float32 greedy tokens identical to rollout.sample's (the plain loop), log-probs within
                             GREEDY_LOGP_TOL
-    update <model>          after an optimizer step (AdamW, weights changed in place) the static sampler, its decoder
+    update <model>          after an optimizer step (AdamW, weights changed in place) the static loop, its decoder
                             and graph reused, decodes greedily as the plain loop does on the updated model, and its
                             tokens differ from before the step (the step changes them: otherwise it shows nothing)
     update bf16 <model>     the same under bf16 autocast, where the decoder samples on its own bf16 cast of the
@@ -146,7 +146,7 @@ MODELS = {"qwen2": tiny_qwen2, "llama": tiny_llama, "qwen2+lora": tiny_lora}
 
 class GraphCount:
     """Counts the CUDA graphs captured and replayed while active (decoding.py makes torch.cuda.CUDAGraph() when it
-    captures): the evidence that the sampler ran as a graph, and that a later call replayed it rather than
+    captures): the evidence that the sampling loop ran as a graph, and that a later call replayed it rather than
     capturing anew."""
 
     def __init__(self):
@@ -489,7 +489,7 @@ class Checks:
         lines = log.getvalue().splitlines()
         path = next((line for line in lines if line.startswith("sampling path: ")), "")
         path = path.split(";")[0].removeprefix("sampling path: ")
-        warned = [line for line in lines if line.startswith("warning: rollout:")]  # the sampler changed path
+        warned = [line for line in lines if line.startswith("warning: rollout:")]  # the sampling loop changed path
         mean = sum(values) / len(values)
         figures = dict(mean=mean, max=max(values), steps=len(values), bound=bound, path=path, warnings=len(warned))
         wanted = "static-cache+cuda-graph" if self.cuda else "static-cache"

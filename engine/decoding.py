@@ -35,7 +35,7 @@ from rollout import next_token, sample
 
 
 def warn(msg: str) -> None:
-    """One line on stderr: the sampler changed path, the run goes on."""
+    """One line on stderr: the sampling loop changed path, the run goes on."""
     print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 

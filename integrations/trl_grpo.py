@@ -363,7 +363,7 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
         """The loop's loss on one slice: objective.policy_loss through the same variant units train.py's Recipe
         runs (kl-is for use_bias_correction_kl, opsm for off_policy_mask_threshold), or [B]'s rec / rec-is / opmd.
 
-        OPSM reads, as stock TRL, the sampler's log-probs where vLLM recorded them (`sampling`), else log alpha."""
+        OPSM reads, as stock TRL, the log-probs vLLM recorded where it did (`sampling`), else log alpha."""
         a = self.args
         settings = dict(
             clip_eps=self.epsilon_low,
@@ -386,7 +386,7 @@ class OffPolicyGRPOTrainer(GRPOTrainer):
             inner = partial(kl_is.loss, inner=inner)
         if a.off_policy_mask_threshold is None:
             return inner(x, **settings)
-        # OPSM's D_i by the sampler's log-probs (stock TRL's), its surrogate by log alpha: the unit sees the first,
+        # OPSM's D_i by vLLM's log-probs (stock TRL's), its surrogate by log alpha: the unit sees the first,
         # and what it passes on gets the second back. A times vLLM's w >= 0 keeps A's sign, so the kept sequences
         # are stock TRL's (a token with w = 0 adds nothing either way).
         opsm = corrections.OPSM(a.off_policy_mask_threshold)

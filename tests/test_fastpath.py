@@ -403,7 +403,7 @@ def test_cuda_graph_sampling_logprobs_match_a_full_forward(tok):
 
 @needs_cuda
 def test_cuda_graph_under_bf16_autocast(tok):
-    # train.py may run the sampler under bf16 autocast; the graph must capture without the cast cache.
+    # train.py may run the sampling loop under bf16 autocast; the graph must capture without the cast cache.
     from engine import tiny
 
     model = tiny.build_model(tok, seed=2).cuda().eval()

@@ -215,7 +215,7 @@ def sample_both_ways(model, tok, temperature=0.0, **kw):
 
 @pytest.mark.model
 @pytest.mark.parametrize("family", MODELS)
-def test_the_static_cache_sampler_matches_the_plain_loop(tok, family):
+def test_the_static_cache_loop_matches_the_plain_loop(tok, family):
     from engine.decoding import sampling_path
 
     model = MODELS[family](tok)
@@ -228,7 +228,7 @@ def test_the_static_cache_sampler_matches_the_plain_loop(tok, family):
 
 @pytest.mark.model
 @pytest.mark.parametrize("family", MODELS)
-def test_the_static_cache_sampler_under_bf16_autocast_keeps_its_cache_in_bf16(tok, family):
+def test_the_static_cache_loop_under_bf16_autocast_keeps_its_cache_in_bf16(tok, family):
     from benchmarks.gpu_checks import bf16_bound, bf16_step
     from engine import decoding
     from logprobs import position_ids_from_mask, token_logprobs

@@ -51,7 +51,7 @@ def test_concept_files_import_only_torch_or_the_standard_library(name, allowed):
         assert top in allowed or top in STDLIB, f"{name} imports {module}"
 
 
-def test_the_reference_sampler_copies_with_logprobs_alone():
+def test_the_reference_sampling_loop_copies_with_logprobs_alone():
     # rollout.py takes the fast loop as an argument (train.sampling_loop chooses it): it imports no other project file.
     project = {p.stem for p in ROOT.glob("*.py")}
     assert {m.split(".")[0] for m, _ in imports("rollout.py")} & project == {"logprobs"}
@@ -144,7 +144,7 @@ def test_the_circle_check_sees_a_circle(tmp_path):
 
 def test_bench_times_the_training_step_not_a_copy():
     tree = ast.parse((ROOT / "benchmarks" / "bench.py").read_text())
-    # transformers' own model.generate, the sampler's baseline, is timed as itself: not a step of ours.
+    # transformers' own model.generate, the sampling loop's baseline, is timed as itself: not a step of ours.
     baseline = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "generate_tokens_per_s")
     in_baseline = {id(node) for node in ast.walk(baseline)}
     called = {

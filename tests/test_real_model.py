@@ -351,7 +351,7 @@ def test_the_first_im_end_ends_a_completion_is_masked_in_and_gets_a_gradient(smo
 
 
 @real
-def test_sampler_log_probs_equal_a_full_forward_on_a_30_layer_gqa_model(smollm2):
+def test_the_sampling_loops_log_probs_equal_a_full_forward_on_a_30_layer_gqa_model(smollm2):
     model, tok = smollm2
     ids, mask = encode_prompts(tok, WORD, "cpu")  # prompts of different lengths: left padding
     assert (mask == 0).any()
@@ -436,7 +436,7 @@ def test_two_grpo_steps_at_v2_are_finite_move_the_weights_and_log_a_full_row(
     for row in rows:
         assert all(math.isfinite(v) for v in row.values() if isinstance(v, (int, float))), row
         assert row["nonfinite_updates"] == 0 and "skipped_no_signal" not in row, row
-        assert row["sampler_mismatch"] < 1e-3, row  # the KV-cached sampler's log alpha = a full forward's
+        assert row["sampler_mismatch"] < 1e-3, row  # the KV-cached loop's log alpha = a full forward's
     # Step 1 is stale: its batch came from alpha = the policy before step 0's update, so rho' = pi_1 / alpha != 1.
     assert rows[0]["rho_prime_max"] == 1.0 and rows[1]["rho_prime_max"] > 1.0
     # The weights moved, in the attention's shared (grouped-query) key projection too.

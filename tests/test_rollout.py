@@ -137,7 +137,7 @@ def test_eos_is_kept_and_tokens_after_it_are_masked():
     assert short.truncated.tolist() == [False, True, True]
 
 
-def test_the_samplers_log_alpha_matches_a_forward_pass_and_seed_reproduces(model, tok):
+def test_the_sampling_loops_log_alpha_matches_a_forward_pass_and_seed_reproduces(model, tok):
     ids, mask = encode_prompts(tok, [Problem("12+3=", "15"), Problem("4*4=", "16")], "cpu")
     kw = dict(
         group_size=3, max_new_tokens=5, temperature=1.3, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id

@@ -48,7 +48,7 @@ def textbook_step(logits, alive, temperature, truncation, generator, draw):
 @pytest.mark.parametrize("draw", ["multinomial", "race"])
 @pytest.mark.parametrize("amp", [False, True])
 def test_next_token_is_the_textbook_step(dtype, temperature, truncation, draw, amp):
-    # bfloat16 logits are what the policy's forward gives under autocast; the samplers run the step inside the
+    # bfloat16 logits are what the policy's forward gives under autocast; the sampling loops run the step inside the
     # run's autocast (train.sample_ahead), the textbook here outside it.
     logits = (torch.randn(64, V, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
     alive = torch.ones(64, dtype=torch.bool)

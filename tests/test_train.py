@@ -1,4 +1,4 @@
-"""train.py: the update's gradient identities, the sampler refresh schedule, end-to-end runs."""
+"""train.py: the update's gradient identities, alpha's refresh schedule, end-to-end runs."""
 
 import dataclasses
 import importlib.util
@@ -342,7 +342,7 @@ def test_help_and_the_flags_page_list_every_config_field_and_no_other():
         assert re.search(rf"{flag}\b", help_text), flag
 
 
-def test_a_step_without_signal_still_measures_the_sampler(warm_cache, tmp_path, monkeypatch):
+def test_a_step_without_signal_still_measures_the_sampling_loop(warm_cache, tmp_path, monkeypatch):
     # Equal rewards everywhere: no update, but the row still says whether the sampler saw the trained model.
     monkeypatch.setattr(problems.prompts, "math_reward", lambda text, gold: 0.0)
     cfg = resolve(

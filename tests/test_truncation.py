@@ -94,8 +94,8 @@ def batch(tok, model, truncation, temperature=0.9, seed=0, fast=False):
 @pytest.mark.model
 @pytest.mark.parametrize("fast", [False, True], ids=["plain", "static-cache"])
 @pytest.mark.parametrize("truncation", [Truncation(top_p=0.8), Truncation(top_k=3), Truncation(top_k=5, min_p=0.05)])
-def test_the_sampler_draws_from_the_kept_set_and_records_its_renormalised_log_probs(model, tok, truncation, fast):
-    """Both samplers: rollout.sample (the reference) and decoding.sample_static (on CPU without graph capture)."""
+def test_the_sampling_loop_draws_from_the_kept_set_and_records_its_renormalised_log_probs(model, tok, truncation, fast):
+    """Both sampling loops: rollout.sample (the reference) and decoding.sample_static (on CPU without graph capture)."""
     ro = batch(tok, model, truncation, fast=fast)
     cm = ro.completion_mask.bool()
     textbook = token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 0.9, truncation)
@@ -148,7 +148,7 @@ def test_the_gradient_through_the_renormalised_log_prob_matches_finite_differenc
 @pytest.mark.parametrize("alpha_logp_from", ["recompute", "sampler"])
 def test_rho_prime_is_one_at_a_refresh_with_top_p_on(model, tok, alpha_logp_from, tmp_path):
     """At a refresh alpha = pi_k. With log alpha from pi_k's own forward, rho' = 1 exactly; with the sampler's log
-    alpha, rho' = 1 up to the sampler's numerics (sampler_mismatch ~ 0): the two are renormalised over one set."""
+    alpha, rho' = 1 up to the sampling loop's numerics (sampler_mismatch ~ 0): the two are renormalised over one set."""
     cfg = resolve(
         Config(
             top_p=0.8,
