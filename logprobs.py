@@ -123,8 +123,8 @@ def token_logprobs(
     y = input_ids[:, -t:]  # (N, T)
     # position P+j-1 predicts completion token j
     z = sampling_logits(logits[:, -t - 1 : -1], temperature, truncation, targets=y)  # (N, T, V)
-    logp = torch.log_softmax(z, dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)  # (N, T)
-    return torch.where(completion_mask.bool(), logp, 0.0)  # (N, T)
+    token_logp = torch.log_softmax(z, dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)  # (N, T)
+    return torch.where(completion_mask.bool(), token_logp, 0.0)  # (N, T)
 
 
 # --- calling a model's forward across transformers versions ----------------------------------------------

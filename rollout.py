@@ -165,7 +165,7 @@ def sample(
     """The sampling loop with transformers' KV cache (the reference): the B prompts (B, P) run once, each of the
     N rows takes its prompt's cache (`rows`: row -> prompt), then one token per row at a time (`next_token`; `step`
     is its keywords: temperature, truncation, eos_token_id, pad_token_id, generator, ignore_eos). Returns
-    `to_rollout`'s per-step lists (tokens, logps, entropies: (N,) a step), the rows' lengths and `alive` (N,)."""
+    `to_rollout`'s per-step lists (tokens, token_logps, entropies: (N,) a step), the rows' lengths and `alive` (N,)."""
     from transformers import DynamicCache  # here, not at the top: importing transformers costs seconds (--help)
 
     n = rows.numel()
@@ -175,7 +175,7 @@ def sample(
     cache[cache_kwarg(model)].batch_select_indices(rows)  # (B, ...) -> (N, ...): a group shares its prompt's cache
     attn, pos = prompt_mask[rows], pos[rows, -1:]  # (N, P), (N, 1)
     logits = out.logits[rows, -1, :]  # (N, V) the next token's
-    tokens, logps, entropies = [], [], []
+    tokens, token_logps, entropies = [], [], []
     alive = torch.ones(n, dtype=torch.bool, device=rows.device)  # (N,) no EOS yet
     lengths = torch.zeros(n, dtype=torch.long, device=rows.device)  # (N,) tokens kept so far
     for t in range(max_new_tokens):
@@ -184,13 +184,13 @@ def sample(
             pos = pos + 1  # (N, 1)
             out = model(input_ids=tokens[-1][:, None], attention_mask=attn, position_ids=pos, use_cache=True, **cache)
             logits = out.logits[:, -1, :]  # (N, V)
-        nxt, logp, entropy, alive, lengths = next_token(logits, alive, lengths, **step)
+        nxt, token_logp, entropy, alive, lengths = next_token(logits, alive, lengths, **step)
         tokens.append(nxt)
-        logps.append(logp)
+        token_logps.append(token_logp)
         entropies.append(entropy)
         if not step["ignore_eos"] and not alive.any():
             break
-    return dict(tokens=tokens, logps=logps, entropies=entropies, lengths=lengths, alive=alive)
+    return dict(tokens=tokens, token_logps=token_logps, entropies=entropies, lengths=lengths, alive=alive)
 
 
 def sample_multinomial(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -216,7 +216,7 @@ def next_token(
     sampling_logits (logits / temperature, cut to the kept set), picked by `pick(probs, generator)` (the
     argmax of the logits at temperature 0). `alive` and `lengths` (N,) are the rows' state before the step.
 
-    Returns (token, logp, entropy, alive, lengths), each (N,): y_t (pad once a row has ended), log alpha(y_t) and
+    Returns (token, token_logp, entropy, alive, lengths), each (N,): y_t (pad once a row has ended), log alpha(y_t) and
     the entropy of alpha (0 once a row has ended), then the state after the step: EOS (any of `eos_token_id`'s
     ids) is kept, and ends its row unless ignore_eos. check_finite=False leaves the check for non-finite logits
     to the caller (whose draw must then take them without failing: decoding.sample_static checks its log-probs
@@ -232,12 +232,12 @@ def next_token(
     kept_all = temperature <= 0 or truncation is None or not truncation.cuts
     entropy = entropy_of(logp_all, probs, kept_all)  # (N,)
     nxt = torch.where(alive, nxt, torch.full_like(nxt, pad_token_id))  # (N,) pad after EOS
-    logp = torch.where(alive, logp_all.gather(1, nxt.unsqueeze(1)).squeeze(1), torch.zeros_like(entropy))  # (N,)
+    token_logp = torch.where(alive, logp_all.gather(1, nxt.unsqueeze(1)).squeeze(1), torch.zeros_like(entropy))  # (N,)
     entropy = torch.where(alive, entropy, torch.zeros_like(entropy))  # (N,)
     lengths = lengths + alive.long()  # (N,)
     if not ignore_eos:
         alive = alive & ~torch.isin(nxt, eos_token_id)  # EOS itself was kept above
-    return nxt, logp, entropy, alive, lengths
+    return nxt, token_logp, entropy, alive, lengths
 
 
 def end_ids(model, tokenizer) -> list[int]:
@@ -249,7 +249,7 @@ def end_ids(model, tokenizer) -> list[int]:
     return list(dict.fromkeys([tokenizer.eos_token_id, *listed]))
 
 
-def to_rollout(prompt_ids, prompt_mask, *, tokens, logps, entropies, lengths, alive) -> Rollout:
+def to_rollout(prompt_ids, prompt_mask, *, tokens, token_logps, entropies, lengths, alive) -> Rollout:
     """A Rollout from a sampling loop's per-step lists, cut at the step the last row ended (a loop may go on)."""
     t = int(lengths.max())
     completion_mask = (torch.arange(t, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)).long()  # (N, T)
@@ -258,7 +258,7 @@ def to_rollout(prompt_ids, prompt_mask, *, tokens, logps, entropies, lengths, al
         prompt_mask=prompt_mask,
         completion_ids=torch.stack(tokens, dim=1)[:, :t],  # (N, T)
         completion_mask=completion_mask,
-        sampler_logp=torch.stack(logps, dim=1)[:, :t],  # (N, T)
+        sampler_logp=torch.stack(token_logps, dim=1)[:, :t],  # (N, T)
         entropy=torch.stack(entropies, dim=1)[:, :t],  # (N, T)
         truncated=alive,  # (N,) no EOS by max_new_tokens
     )

@@ -226,13 +226,13 @@ def chunked_token_logprobs(
     if has_plain_head(model):
         h = completion_states(model.get_decoder(), input_ids, attention_mask, pos, t)[sel]  # (M, H) scored rows only
         head = model.get_output_embeddings()
-        logp = SelectedLogProb.apply(h, head.weight, head.bias, targets, tau, chunk, truncation)  # (M,)
+        token_logp = SelectedLogProb.apply(h, head.weight, head.bias, targets, tau, chunk, truncation)  # (M,)
     else:
         # Generic path (soft-capped or scaled heads): the model's own logits, only T+1 of them.
         logits = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, logits_to_keep=t + 1
         ).logits
         z = sampling_logits(logits[:, :-1][sel], tau, truncation, targets)  # (M, V) the sampler's z, one formula
-        logp = z.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(z, dim=-1)  # (M,)
+        token_logp = z.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(z, dim=-1)  # (M,)
     out = torch.zeros(n, t, dtype=torch.float32, device=input_ids.device)  # (N, T)
-    return out.masked_scatter(sel, logp)  # (N, T), differentiable w.r.t. logp
+    return out.masked_scatter(sel, token_logp)  # (N, T), differentiable w.r.t. token_logp

@@ -446,22 +446,22 @@ def sample_static(
     logits = dec.prefill(model, prompt_ids, prompt_mask, rows)  # (N, V)
     if not torch.isfinite(logits).all():
         raise FloatingPointError("generate: the sampler's logits are not finite")
-    tokens, logps, entropies = [], [], []
+    tokens, token_logps, entropies = [], [], []
     alive = torch.ones(n, dtype=torch.bool, device=device)  # (N,) no EOS yet
     lengths = torch.zeros(n, dtype=torch.long, device=device)  # (N,) tokens kept so far
     for t in range(max_new_tokens):
         if t > 0:
             logits = dec.decode(model, tokens[-1])  # (N, V)
         # Eager, after the replay (the graph holds the forward alone); check_finite=False: no host sync a step.
-        nxt, logp, entropy, alive, lengths = STEP.next_token(
+        nxt, token_logp, entropy, alive, lengths = STEP.next_token(
             logits, alive, lengths, pick=sample_exponential_race, check_finite=False, **step
         )
         tokens.append(nxt)
-        logps.append(logp)
+        token_logps.append(token_logp)
         entropies.append(entropy)
         if not step["ignore_eos"] and t % 16 == 15 and not alive.any():
             break
     # The race picks a token even from NaN logits: a diverged policy shows in the log-probs instead.
-    if not (torch.isfinite(torch.stack(logps)).all() and torch.isfinite(torch.stack(entropies)).all()):
+    if not (torch.isfinite(torch.stack(token_logps)).all() and torch.isfinite(torch.stack(entropies)).all()):
         raise FloatingPointError("generate: the sampler's logits are not finite")
-    return dict(tokens=tokens, logps=logps, entropies=entropies, lengths=lengths, alive=alive)
+    return dict(tokens=tokens, token_logps=token_logps, entropies=entropies, lengths=lengths, alive=alive)
