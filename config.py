@@ -512,7 +512,7 @@ def normalised(name: str, value):
     if name in ("data_files", "eval_files", "cache_dir", "out"):
         return absolute(value)
     if name == "reward":
-        return [absolute_spec(s) for s in value] if value else ["math"]
+        return [absolute_spec(spec) for spec in value] if value else ["math"]
     if name in ("dataset", "model") and value != "tiny":
         return local_or_hub(value)
     return value
@@ -547,7 +547,7 @@ def resolve(cfg: Config) -> Config:
         cfg.out = default_out()
     cfg.out, cfg.cache_dir = absolute(cfg.out), absolute(cfg.cache_dir)
     cfg.data_files, cfg.eval_files = absolute(cfg.data_files), absolute(cfg.eval_files)
-    cfg.reward = [absolute_spec(s) for s in cfg.reward] if cfg.reward else ["math"]
+    cfg.reward = [absolute_spec(spec) for spec in cfg.reward] if cfg.reward else ["math"]
     cfg.dataset = local_or_hub(cfg.dataset)
     if cfg.model != "tiny" and Path(cfg.model).expanduser().exists():  # a local folder or file, not a hub id
         cfg.model = absolute(cfg.model)

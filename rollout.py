@@ -317,9 +317,9 @@ def generate_batches(
     per_call = max(1, max_rows // group_size)  # prompts per call
     parts = [
         generate(
-            model, ids[s : s + per_call], mask[s : s + per_call], group_size=group_size, pad_token_id=pad_token_id, **kw
+            model, ids[i : i + per_call], mask[i : i + per_call], group_size=group_size, pad_token_id=pad_token_id, **kw
         )
-        for s in range(0, ids.shape[0], per_call)
+        for i in range(0, ids.shape[0], per_call)
     ]
     whole = cat_rollouts(parts, pad_token_id)
     out, start = [], 0

@@ -250,7 +250,7 @@ def update(cfg: Config, policy, opt, batch: Batch, ref_logp, *, recipe: Recipe |
     recipe = variants.recipe(cfg) if recipe is None else recipe
     n, length = batch.input_ids.shape
     mb = cfg.micro_batch or auto_micro_batch(policy, n, length, cfg.gradient_checkpointing, cfg.autocast_dtype)
-    micro_batches = [slice(s, s + mb) for s in range(0, n, mb)]
+    micro_batches = [slice(i, i + mb) for i in range(0, n, mb)]
     policy.train(cfg.gradient_checkpointing)  # checkpointing acts in train mode only; dropout is 0 either way
     loss_mask, pi_k_logp, kept = batch.loss_mask, None, {}
     if recipe.keeps_tokens and batch.alpha_logp is not None:  # a stale batch: all of pi_k before the first step
@@ -320,7 +320,7 @@ def no_grad_logprobs(cfg: Config, model, seq, rows_per_pass: int | None = None) 
     n = seq.input_ids.shape[0]
     mb = rows_per_pass or cfg.micro_batch or n
     with evaluating(model):
-        return torch.cat([completion_logprobs(cfg, model, seq, slice(s, s + mb)) for s in range(0, n, mb)])
+        return torch.cat([completion_logprobs(cfg, model, seq, slice(i, i + mb)) for i in range(0, n, mb)])
 
 
 @contextlib.contextmanager

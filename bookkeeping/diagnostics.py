@@ -41,19 +41,19 @@ def staleness_stats(alpha_logp: torch.Tensor, pi_k_logp: torch.Tensor, loss_mask
         "max": rho_max.to(rho_prime.dtype),
     }
     # One transfer to the host for all of them.
-    s = dict(zip(sums, torch.stack([x.to(rho_prime.dtype) for x in sums.values()]).tolist()))
-    n = s["tokens"]
+    host = dict(zip(sums, torch.stack([x.to(rho_prime.dtype) for x in sums.values()]).tolist()))
+    n = host["tokens"]
     if n == 0:  # no token in the loss: no mismatch to report (rho' = 1, no KL)
-        s.update(kl_k1=0.0, kl_k3=0.0, m2=0.0, rho_prime=1.0, p50=1.0, p99=1.0, max=1.0)
+        host.update(kl_k1=0.0, kl_k3=0.0, m2=0.0, rho_prime=1.0, p50=1.0, p99=1.0, max=1.0)
         n = 1
     return {
-        "mismatch_kl_k1": s["kl_k1"] / n,
-        "mismatch_kl_k3": s["kl_k3"] / n,
-        "m2": s["m2"] / n,
-        "rho_prime_mean": s["rho_prime"] / n,
-        "rho_prime_p50": s["p50"],
-        "rho_prime_p99": s["p99"],
-        "rho_prime_max": s["max"],
+        "mismatch_kl_k1": host["kl_k1"] / n,
+        "mismatch_kl_k3": host["kl_k3"] / n,
+        "m2": host["m2"] / n,
+        "rho_prime_mean": host["rho_prime"] / n,
+        "rho_prime_p50": host["p50"],
+        "rho_prime_p99": host["p99"],
+        "rho_prime_max": host["max"],
     }
 
 

@@ -107,10 +107,10 @@ class SelectedLogProb(torch.autograd.Function):
         out = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)  # (M,)
         lse = torch.empty_like(out)  # (M,)
         compute = weight.dtype  # the dtype F.linear computes in: the autocast dtype under autocast
-        for s in range(0, hidden.shape[0], chunk):
-            logits = F.linear(hidden[s : s + chunk], weight, bias)  # (c, V)
+        for i in range(0, hidden.shape[0], chunk):
+            logits = F.linear(hidden[i : i + chunk], weight, bias)  # (c, V)
             compute = logits.dtype
-            out[s : s + chunk], lse[s : s + chunk] = CHUNK.logp(logits, targets[s : s + chunk], temperature, truncation)
+            out[i : i + chunk], lse[i : i + chunk] = CHUNK.logp(logits, targets[i : i + chunk], temperature, truncation)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature, ctx.chunk, ctx.truncation, ctx.compute = temperature, chunk, truncation, compute
         device = hidden.device.type
@@ -135,12 +135,12 @@ class SelectedLogProb(torch.autograd.Function):
             grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device)
         weight_c = weight.to(compute)  # (V, H) cast once, not per chunk
         coef = -(grad_out / tau)[:, None]  # (M, 1): d loss / d logits = (softmax - onehot) x coef
-        for s in range(0, hidden.shape[0], chunk):
-            h, y = hidden[s : s + chunk], targets[s : s + chunk]  # (c, H), (c,)
+        for i in range(0, hidden.shape[0], chunk):
+            h, y = hidden[i : i + chunk], targets[i : i + chunk]  # (c, H), (c,)
             logits = F.linear(h, weight, bias)  # (c, V) the forward's logits again
-            g = CHUNK.grad(logits, y, lse[s : s + chunk], coef[s : s + chunk], tau, ctx.truncation)  # (c, V)
+            g = CHUNK.grad(logits, y, lse[i : i + chunk], coef[i : i + chunk], tau, ctx.truncation)  # (c, V)
             if grad_h is not None:
-                grad_h[s : s + chunk] = (g @ weight_c).to(hidden.dtype)  # (c, H)
+                grad_h[i : i + chunk] = (g @ weight_c).to(hidden.dtype)  # (c, H)
             if grad_w is not None:
                 add_product(grad_w, g.t(), h.to(compute))  # (V, H) += g^T h, summed in `acc`, never rounded
             if grad_b is not None:

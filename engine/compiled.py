@@ -49,6 +49,6 @@ def compile_seconds() -> float | None:
 
 def compile_line() -> str:
     """The line train.py logs at the end of a --compile run."""
-    s = compile_seconds()
-    spent = "an unknown time (this torch keeps no account)" if s is None else f"{s:.1f} s"
+    secs = compile_seconds()
+    spent = "an unknown time (this torch keeps no account)" if secs is None else f"{secs:.1f} s"
     return f"torch.compile: {spent} compiling the sampling step and the LM head's chunk functions"

@@ -228,7 +228,7 @@ def memory_plan(
                 resident0 + state + held * per_batch + sum(r * P.kv_bytes_per_row(config, c, dtype) for r, c in shapes)
             )
             later = P.balanced_rows(n, P.sample_rows_fitting(config, length, budget - spent, dtype, casts))
-        shapes += [s for s in sampling_shapes(cfg.group_size, length, later, n) if s not in shapes]
+        shapes += [shape for shape in sampling_shapes(cfg.group_size, length, later, n) if shape not in shapes]
     # Evaluation's calls (greedy, and --eval-samples k's), on the same decoders' cache of shapes.
     per_eval = eval_batch_size()
     eval_len = (eval_prompt_len or prompt_len) + t
@@ -236,9 +236,9 @@ def memory_plan(
         rows = cfg.eval_size * k
         call = max(1, per_eval // k) * k
         eval_shapes = sampling_shapes(k, eval_len, call, rows)
-        shapes += [s for s in eval_shapes if s not in shapes]
+        shapes += [shape for shape in eval_shapes if shape not in shapes]
     # At most MAX_DECODERS are kept: the largest ones, to be safe.
-    kept = sorted(shapes, key=lambda s: s[0] * s[1], reverse=True)[:MAX_DECODERS]
+    kept = sorted(shapes, key=lambda shape: shape[0] * shape[1], reverse=True)[:MAX_DECODERS]
     for rows, cols in kept:
         items.append(
             (

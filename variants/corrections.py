@@ -401,11 +401,11 @@ def m2po_clip_bounds(logp, alpha_logp, advantages, loss_mask, budget: float, flo
     if n == 0 or not m2 > budget:  # a NaN M2 (it cannot be sorted) clips nothing, as the authors' `<=` test fails
         lo, hi = M2PO_NO_CLIP
     else:
-        s = torch.sort(v).values  # (n,) ascending
-        j = torch.arange(n, device=s.device, dtype=s.dtype)
-        capped = s.cumsum(0) + torch.where(j < n - 1, (n - 1 - j) * s, 0.0)  # (n,) c_j (no 0 * inf at the top)
+        asc = torch.sort(v).values  # (n,) ascending
+        j = torch.arange(n, device=asc.device, dtype=asc.dtype)
+        capped = asc.cumsum(0) + torch.where(j < n - 1, (n - 1 - j) * asc, 0.0)  # (n,) c_j (no 0 * inf at the top)
         k = int((capped >= n * budget).to(torch.int8).argmax())  # exists: c_(n) = n * M2 > n * budget
-        cap = math.sqrt(max(s[k - 1].item() - 1e-12, 0.0)) if k > 0 else 0.0  # their slack: v_(k-1) is clipped
+        cap = math.sqrt(max(asc[k - 1].item() - 1e-12, 0.0)) if k > 0 else 0.0  # their slack: v_(k-1) is clipped
         lo, hi = math.exp(-cap), math.exp(cap)
     if floor:
         lo, hi = min(lo, M2PO_CLIP_FLOOR[0]), max(hi, M2PO_CLIP_FLOOR[1])
@@ -429,8 +429,8 @@ def m2po_quadrant_keep(logp, alpha_logp, advantages, loss_mask, threshold: float
     where = active.flatten().nonzero().squeeze(1)  # (n,) the flat indices of H, row-major
     if where.numel() == 0:
         return keep.view_as(active)
-    s, order = torch.sort(d.flatten()[where].square(), stable=True)  # (n,) each
-    prefix_mean = s.cumsum(0) / torch.arange(1, s.numel() + 1, device=s.device, dtype=s.dtype)  # (n,)
+    asc, order = torch.sort(d.flatten()[where].square(), stable=True)  # (n,) each
+    prefix_mean = asc.cumsum(0) / torch.arange(1, asc.numel() + 1, device=asc.device, dtype=asc.dtype)  # (n,)
     kept = int((prefix_mean <= threshold).sum())  # the prefix means rise: the ones <= threshold are a prefix
     keep[where[order[kept:]]] = False
     return keep.view_as(active)  # (N, T)
