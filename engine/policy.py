@@ -184,9 +184,9 @@ def fit_policy(cfg: Config, model):
 
 # --- The memory defaults: --micro-batch and --sample-rows on CUDA ---------------------------------------------------
 #
-#   A = min(driver free + the allocator's unused cache,  total x fraction - allocated)   what the process may allocate
+#   F = min(driver free + the allocator's unused cache,  total x fraction - allocated)   what the process may allocate
 #       fraction: torch.cuda.set_per_process_memory_fraction's (memory_fraction; 1 when none is set)
-#   U = (1 - HEADROOM) x A - pending                                                     what a default may plan on
+#   U = (1 - HEADROOM) x F - pending                                                     what a default may plan on
 #       HEADROOM = 0.15: the allocator's fragmentation (its reserved peak runs above the allocated one) and the
 #       error of the rules of thumb below; pending: what the first update still allocates (pending_bytes)
 #   --micro-batch  the largest divisor of N with  rows x length x activation_bytes_per_token  <=  U - head_bytes
@@ -247,7 +247,7 @@ def sample_bytes_per_row(config, length: int, dtype: torch.dtype) -> int:
 
 
 def plannable_bytes(available: int, pending: int = 0) -> int:
-    """U = (1 - HEADROOM) x A - pending: what a default may plan on, of the A bytes the process may allocate."""
+    """U = (1 - HEADROOM) x F - pending: what a default may plan on, of the F bytes the process may allocate."""
     return max(0, int((1 - HEADROOM) * available) - pending)
 
 
@@ -285,7 +285,7 @@ def largest_divisor_within(n: int, limit: int) -> int:
 
 
 def memory_available(free: int, total: int, reserved: int, allocated: int, fraction: float = 1.0) -> int:
-    """A: the bytes the process may still allocate. The driver's free memory and what PyTorch's caching allocator
+    """F: the bytes the process may still allocate. The driver's free memory and what PyTorch's caching allocator
     holds unused (the driver alone counts that cache as taken: after a first step it would see less and size
     another way); and under a per-process fraction, what the allocator may still reserve, total x fraction, less
     what is allocated (the cap binds the allocator's reserved bytes, and its unused cache is reusable)."""

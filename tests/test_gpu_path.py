@@ -373,9 +373,9 @@ def test_a_model_whose_tensors_moved_gets_a_new_decoder_even_where_the_embedding
 
 @pytest.mark.model
 def test_a_model_freed_and_another_made_at_the_same_addresses_does_not_reuse_the_old_decoder(tok):
-    # The worst case of memory reuse: model B's every parameter and buffer lives where freed model A's did (here by
-    # construction: B takes A's very storages), so their layouts are equal. A's decoders went with A (a weak key):
-    # the old decoder is freed, and B gets one of its own.
+    # The worst case of memory reuse: the second model's every parameter and buffer lives where the freed first one's
+    # did (here by construction: the second takes the first's very storages), so their layouts are equal. The first's
+    # decoders went with it (a weak key): the old decoder is freed, and the second gets one of its own.
     import gc
     import weakref
 
@@ -654,9 +654,9 @@ def test_the_memory_defaults_fit_a_24_40_and_80_gb_device(monkeypatch, gib, draw
     # > 0) on a device of `gib` GiB, or a bigger one capped at it: the weights and pi_ref allocated (8 bytes a
     # parameter), the refresh samples `drawn_rows` rows (v = 1: 512, v = 4: 2048), its static decoder keeps
     # the KV cache and a bf16 copy of the matrices, then the update is sized from what is left.
-    # By hand at 40 GiB and v = 1: A = 40 GiB - 3.95 GB = 38.99 GB; U = 0.85 A - pending 6.92 GB = 26.22 GB; half of
-    # it holds 26.22e9 / 2 // 9,580,544 = 1368 rows: the 512. Then A = 40 GiB - 3.95 - 512 x 4.72 MB - 0.99 GB =
-    # 35.59 GB; U = 0.85 A - 6.92 GB = 23.33 GB; less the head's 3.03 GB, 20.30 GB holds 20.30e9 // (384 x 1,708,032)
+    # By hand at 40 GiB and v = 1: F = 40 GiB - 3.95 GB = 38.99 GB; U = 0.85 F - pending 6.92 GB = 26.22 GB; half of
+    # it holds 26.22e9 / 2 // 9,580,544 = 1368 rows: the 512. Then F = 40 GiB - 3.95 - 512 x 4.72 MB - 0.99 GB =
+    # 35.59 GB; U = 0.85 F - 6.92 GB = 23.33 GB; less the head's 3.03 GB, 20.30 GB holds 20.30e9 // (384 x 1,708,032)
     # = 30 rows: the micro-batch is 16, the largest divisor of 512 within. At 80 GiB memory would hold more, and the
     # ceiling of 16,384 tokens a micro-batch (42 rows of 384) binds: 32.
     from engine import policy
