@@ -22,7 +22,7 @@ Deviations from common practice:
   3. `generate` runs the loop it is given: `sample`, the reference, by default; the loop passes decoding.py's
      static-KV-cache loop on CUDA (--sampling, train.sampling_loop), tested equal (tests/test_fastpath.py). Both take
      their tokens from `next_token`, so the math after the logits is written once; the static loop passes its own
-     draw (the exponential race) and checks less often, each check being a host sync. This file
+     pick (the exponential race) and checks less often, each check being a host sync. This file
      imports torch and logprobs.py, and `sample` transformers' DynamicCache (the model's own KV cache) when it runs.
 """
 

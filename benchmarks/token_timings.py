@@ -3,7 +3,7 @@
 Milliseconds per decode step of all N = B x G rows (one token each), under the run's autocast, each the median of
 several timed calls after an untimed one:
 
-    chain            rollout.next_token on (N, V) logits in the forward's dtype, with the static path's draw (the
+    chain            rollout.next_token on (N, V) logits in the forward's dtype, with the static path's pick (the
                      exponential race) and no finiteness check: the per-token math after the logits
     chain_textbook   the same step written by its definitions (tests/test_sampling_chain.py's textbook_step): z / tau,
                      log_softmax, softmax, the race as p / (-log U), the entropy over the kept set; the truncation

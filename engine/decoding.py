@@ -4,7 +4,7 @@
                          applies, else rollout.sample; a failed graph capture samples again on rollout.sample
     sample_static        rollout.sample's loop on a static KV cache, around the same step (rollout.next_token);
                          on CUDA the decode step's forward is captured once as a CUDA graph and replayed, so it
-                         costs no Python per layer (gpt-fast's technique). It draws by the exponential race
+                         costs no Python per layer (gpt-fast's technique). It picks by the exponential race
                          (`sample_exponential_race`) rather than multinomial.
     use_static_decoder   whether `static_loop` takes it: on CUDA, for models it fits, once a probe step worked
     sampling_path        the name of the path `static_loop(fast)` would take ("plain", "static-cache", "+cuda-graph")
@@ -142,7 +142,7 @@ def sample_exponential_race(probs: torch.Tensor, generator: torch.Generator | No
     """Row-wise index i with probability p_i: argmax_i p_i / E_i, E_i ~ Exp(1) (Gumbel-max, as in gpt-fast).
     E = -log U with U ~ U[0, 1) is never 0 (U = 0 gives E = inf: that token loses), so none wins by a zero divisor.
 
-    Computed as argmin_i p_i / log U_i, the argmin of -(p_i / E_i) exactly (a float's negation is exact): the draw,
+    Computed as argmin_i p_i / log U_i, the argmin of -(p_i / E_i) exactly (a float's negation is exact): the uniforms,
     log, divide and argmin, in U's own buffer, without the pass that negates log U."""
     u = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=probs.dtype)  # (N, V) U_i
     return torch.div(probs, u.log_(), out=u).argmin(dim=-1)  # (N,)
@@ -407,7 +407,7 @@ def static_loop(fast: bool | None = None):
     (fast=None: auto, on CUDA; True: always; False: never), else rollout.sample. Should the graph capture fail, the
     call samples again on rollout.sample from the same generator state, and the run goes on (`capture_failed`)."""
 
-    def draw(model, prompt_ids, prompt_mask, rows, **kw) -> dict:
+    def loop(model, prompt_ids, prompt_mask, rows, **kw) -> dict:
         if use_static_decoder(model, rows.numel(), prompt_ids.shape[1] + kw["max_new_tokens"], fast):
             generator = kw["generator"]
             state = generator.get_state() if generator is not None else None
@@ -420,7 +420,7 @@ def static_loop(fast: bool | None = None):
         with folded_gqa():  # the plain loop's decode steps read the cache unrepeated too
             return sample(model, prompt_ids, prompt_mask, rows, **kw)
 
-    return draw
+    return loop
 
 
 class _Step:
@@ -438,7 +438,7 @@ def sample_static(
     model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: torch.Tensor, *, max_new_tokens: int, **step
 ) -> dict:
     """rollout.sample's loop on the static cache: the same arguments and result, the same tokens when greedy. Its
-    step is rollout.next_token with the exponential race for a draw (no cumulative sum over V); the loop checks for
+    step is rollout.next_token with the exponential race for a pick (no cumulative sum over V); the loop checks for
     EOS every 16 steps rather than every step, and for non-finite values once, at the end (each check is a host
     sync)."""
     n, device = rows.numel(), rows.device

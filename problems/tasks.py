@@ -147,7 +147,7 @@ WORD_OBJECTS = ("apples", "pencils", "stickers", "marbles", "cookies", "books", 
 # no signal); without the example a few percent of its samples are.
 WORD_INSTRUCTION = "Solve the problem. Put the final answer on the last line after ####."
 WORDPROBLEM_SEED = 4321  # fixes names, objects and numbers of every word problem, for every run
-WORDPROBLEM_TRAIN, WORDPROBLEM_HELDOUT = 20_000, 1000  # problems drawn for each split
+WORDPROBLEM_TRAIN, WORDPROBLEM_HELDOUT = 20_000, 1000  # problems generated for each split
 
 
 def word_operands(op: str, rng: random.Random) -> tuple[int, int, int]:

@@ -195,7 +195,7 @@ def test_folded_decoding_gives_the_plain_loops_tokens_and_logprobs(gqa, tok, tem
     assert torch.equal(reference.completion_ids, folded_plain.completion_ids)
     assert torch.allclose(reference.sampler_logp, folded_plain.sampler_logp, atol=1e-5)
     assert torch.allclose(reference.entropy, folded_plain.entropy, atol=1e-5)
-    if temperature == 0.0:  # the static cache draws by the race: its sampled tokens differ, its greedy ones do not
+    if temperature == 0.0:  # the static cache picks by the race: its sampled tokens differ, its greedy ones do not
         static = run(static_loop(True))
         assert torch.equal(reference.completion_ids, static.completion_ids)
         assert torch.allclose(reference.sampler_logp, static.sampler_logp, atol=1e-5)

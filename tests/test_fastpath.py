@@ -222,12 +222,12 @@ def test_reused_cache_sees_new_prompts_and_new_weights(tok):
     )
 
 
-def test_exponential_race_draws_from_the_softmax():
-    # 40,000 independent draws from one distribution over 6 tokens: frequencies within 5 sigma.
+def test_exponential_race_picks_from_the_softmax():
+    # 40,000 independent picks from one distribution over 6 tokens: frequencies within 5 sigma.
     p = torch.softmax(torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, -3.0]), -1)
     n = 40_000
-    draws = sample_exponential_race(p.expand(n, -1).contiguous(), torch.Generator().manual_seed(0))
-    freq = torch.bincount(draws, minlength=6).double() / n
+    picks = sample_exponential_race(p.expand(n, -1).contiguous(), torch.Generator().manual_seed(0))
+    freq = torch.bincount(picks, minlength=6).double() / n
     sigma = (p.double() * (1 - p.double()) / n).sqrt()
     assert ((freq - p.double()).abs() <= 5 * sigma + 1e-9).all(), (freq, p)
 

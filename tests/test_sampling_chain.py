@@ -2,9 +2,9 @@
 (`engine.chunked_logprobs.SelectedLogProb`): the same values as the textbook written plainly here, in fewer passes
 over the (rows, V) logits.
 
-The textbook step: z = logits / tau in float32, -inf outside the kept set; log alpha = log_softmax(z); a draw from
+The textbook step: z = logits / tau in float32, -inf outside the kept set; log alpha = log_softmax(z); a pick from
 alpha = softmax(z), by multinomial or by the exponential race argmax p / E, E = -log U; entropy -sum p log p over
-the kept set. Under a fixed generator the draws use the same random numbers, so the tokens must be identical.
+the kept set. Under a fixed generator the picks use the same random numbers, so the tokens must be identical.
 """
 
 import math
@@ -24,14 +24,14 @@ V = 500
 TRUNCATIONS = [None, Truncation(top_k=7), Truncation(top_p=0.8), Truncation(min_p=0.05)]
 
 
-def textbook_step(logits, alive, temperature, truncation, generator, draw):
+def textbook_step(logits, alive, temperature, truncation, generator, pick):
     """(token, log alpha(token), entropy) for live rows, by the definitions, each on its own line."""
     z = logits.float() / temperature  # (N, V)
     if truncation is not None:
         z = z.masked_fill(~kept_tokens(z, truncation), -math.inf)
     logp_all = torch.log_softmax(z, dim=-1)
     p = torch.softmax(z, dim=-1)
-    if draw == "multinomial":
+    if pick == "multinomial":
         token = torch.multinomial(p, 1, generator=generator).squeeze(1)
     else:  # the exponential race: the token with the largest p / E, E ~ Exp(1)
         e = -torch.rand(p.shape, generator=generator).log()
@@ -45,9 +45,9 @@ def textbook_step(logits, alive, temperature, truncation, generator, draw):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("truncation", TRUNCATIONS)
-@pytest.mark.parametrize("draw", ["multinomial", "race"])
+@pytest.mark.parametrize("pick", ["multinomial", "race"])
 @pytest.mark.parametrize("amp", [False, True])
-def test_next_token_is_the_textbook_step(dtype, temperature, truncation, draw, amp):
+def test_next_token_is_the_textbook_step(dtype, temperature, truncation, pick, amp):
     # bfloat16 logits are what the policy's forward gives under autocast; the sampling loops run the step inside the
     # run's autocast (train.sample_ahead), the textbook here outside it.
     logits = (torch.randn(64, V, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
@@ -64,10 +64,10 @@ def test_next_token_is_the_textbook_step(dtype, temperature, truncation, draw, a
             pad_token_id=0,
             generator=torch.Generator().manual_seed(11),
             ignore_eos=False,
-            pick=sample_multinomial if draw == "multinomial" else sample_exponential_race,
+            pick=sample_multinomial if pick == "multinomial" else sample_exponential_race,
         )
     token, logp, entropy = textbook_step(
-        logits, alive, temperature, truncation, torch.Generator().manual_seed(11), draw
+        logits, alive, temperature, truncation, torch.Generator().manual_seed(11), pick
     )
     assert torch.equal(ours[0], token)
     # The log-probs come from the same log_softmax of the same floats: equal; the entropy sums in another order.
@@ -75,13 +75,13 @@ def test_next_token_is_the_textbook_step(dtype, temperature, truncation, draw, a
     assert (ours[2].double() - entropy).abs().max() < 1e-5
 
 
-def test_the_race_draws_alpha_outside_the_kept_set_never():
-    # A kept set of 3 tokens of 6: 30,000 draws of the race land only in it, at alpha's frequencies (within 5 sigma).
+def test_the_race_picks_alpha_outside_the_kept_set_never():
+    # A kept set of 3 tokens of 6: 30,000 picks of the race land only in it, at alpha's frequencies (within 5 sigma).
     z = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, -3.0])
     logp = torch.log_softmax(z.masked_fill(~kept_tokens(z, Truncation(top_k=3)), -math.inf), -1)
     n = 30_000
-    draws = sample_exponential_race(logp.exp().expand(n, -1).contiguous(), torch.Generator().manual_seed(2))
-    freq = torch.bincount(draws, minlength=6).double() / n
+    picks = sample_exponential_race(logp.exp().expand(n, -1).contiguous(), torch.Generator().manual_seed(2))
+    freq = torch.bincount(picks, minlength=6).double() / n
     p = logp.exp().double()
     assert (freq[p == 0] == 0).all()
     assert ((freq - p).abs() <= 5 * (p * (1 - p) / n).sqrt() + 1e-9).all(), (freq, p)
@@ -241,7 +241,7 @@ def sampling_step(logits, temperature=1.0, truncation=None):
 @pytest.mark.parametrize("dtype, passes", [(torch.float32, 7), (torch.bfloat16, 8)])
 def test_the_static_paths_step_passes_over_the_vocabulary(dtype, passes):
     # The static path's step at the default temperature: (bf16 logits: the cast to float32), log_softmax, exp, the
-    # race's draw, log, divide and argmin, and the entropy's dot product. As first written it took 12 (13 in bf16),
+    # race's uniforms, log, divide and argmin, and the entropy's dot product. As first written it took 12 (13 in bf16),
     # then 8 (9): the entropy took a multiply and a sum.
     logits = torch.randn(8, V).to(dtype)
     with VocabPasses(8, V) as seen:

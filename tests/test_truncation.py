@@ -94,7 +94,7 @@ def batch(tok, model, truncation, temperature=0.9, seed=0, fast=False):
 @pytest.mark.model
 @pytest.mark.parametrize("fast", [False, True], ids=["plain", "static-cache"])
 @pytest.mark.parametrize("truncation", [Truncation(top_p=0.8), Truncation(top_k=3), Truncation(top_k=5, min_p=0.05)])
-def test_the_sampling_loop_draws_from_the_kept_set_and_records_its_renormalised_log_probs(model, tok, truncation, fast):
+def test_the_sampling_loop_picks_from_the_kept_set_and_records_its_renormalised_log_probs(model, tok, truncation, fast):
     """Both sampling loops: rollout.sample (the reference) and decoding.sample_static (on CPU without graph capture)."""
     ro = batch(tok, model, truncation, fast=fast)
     cm = ro.completion_mask.bool()
@@ -163,8 +163,8 @@ def test_rho_prime_is_one_at_a_refresh_with_top_p_on(model, tok, alpha_logp_from
     models = make_models(cfg, model)
     problems = [Problem("12+34=", "46"), Problem("7*8=", "56")]
     mixed = lambda ro: torch.tensor([1.0, 0.0] * 4)  # noqa: E731  every group has signal: the update runs
-    draws = [(*encode_prompts(tok, problems, "cpu"), mixed) for _ in range(2)]
-    res, _ = train.grpo_step(cfg, models, tok, 0, torch.Generator().manual_seed(0), None, lambda k, n, now: draws[:n])
+    prompts = [(*encode_prompts(tok, problems, "cpu"), mixed) for _ in range(2)]
+    res, _ = train.grpo_step(cfg, models, tok, 0, torch.Generator().manual_seed(0), None, lambda k, n, now: prompts[:n])
     assert res.drew_ahead
     if alpha_logp_from == "recompute":
         assert res.stats["rho_prime_max"] == 1.0 and res.stats["rho_prime_p99"] == 1.0
