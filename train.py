@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 
 import variants
-from bookkeeping.diagnostics import staleness_stats
+from bookkeeping.diagnostics import drift_stats
 from bookkeeping.failures import Diverged, Stopped, out_of_memory, stop_on_signals, where_the_run_stands
 from bookkeeping.harness import Harness
 from bookkeeping.metrics import StepStats, Timer
@@ -290,7 +290,7 @@ def update(cfg: Config, policy, opt, batch: Batch, ref_logp, *, recipe: Recipe |
     alpha_logp = pi_k_logp if batch.alpha_logp is None else batch.alpha_logp
     if recipe.keeps_tokens and batch.alpha_logp is None:  # alpha = pi_k: every token kept, the figures say so
         kept = recipe.step_keep(alpha_logp, pi_k_logp, batch.loss_mask)[1]
-    step = staleness_stats(alpha_logp, pi_k_logp, batch.loss_mask) | kept
+    step = drift_stats(alpha_logp, pi_k_logp, batch.loss_mask) | kept
     step |= recipe.step_stats(alpha_logp, pi_k_logp, batch.loss_mask)
     return stats.result(step) | {"micro_batch": mb}, pi_k_logp
 

@@ -4,8 +4,8 @@ training see the same model. Neither changes the update."""
 import torch
 
 
-def staleness_stats(alpha_logp: torch.Tensor, pi_k_logp: torch.Tensor, loss_mask: torch.Tensor) -> dict:
-    """How far the sampler alpha is from pi_k, as floats over loss_mask's tokens (y_t ~ alpha):
+def drift_stats(alpha_logp: torch.Tensor, pi_k_logp: torch.Tensor, loss_mask: torch.Tensor) -> dict:
+    """How far the sampler alpha is from pi_k (the drift), as floats over loss_mask's tokens (y_t ~ alpha):
 
         mismatch_kl_k1   mean_t [ log alpha(y_t) - log pi_k(y_t) ]     KL(alpha || pi_k), k1
         mismatch_kl_k3   mean_t [ rho'_t - 1 - log rho'_t ]            the same KL, k3 (>= 0, lower variance)

@@ -129,10 +129,10 @@ def test_update_gives_every_micro_batch_the_final_normaliser_and_computes_the_mi
     alpha_logp = logp + 0.8 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(0))
     cfg = resolve(Config(group_size=4, prompts_per_step=4, out="/tmp/unused", micro_batch=4, is_mask=1.5))
     calls, keep_calls, stats_calls = [], [], []
-    real_loss, real_keep, real_stats = Recipe.loss, Recipe.step_keep, train.staleness_stats
+    real_loss, real_keep, real_stats = Recipe.loss, Recipe.step_keep, train.drift_stats
     monkeypatch.setattr(Recipe, "loss", lambda self, x: calls.append(x) or real_loss(self, x))
     monkeypatch.setattr(Recipe, "step_keep", lambda self, *a: keep_calls.append(1) or real_keep(self, *a))
-    monkeypatch.setattr(train, "staleness_stats", lambda *a, **kw: stats_calls.append(1) or real_stats(*a, **kw))
+    monkeypatch.setattr(train, "drift_stats", lambda *a, **kw: stats_calls.append(1) or real_stats(*a, **kw))
     stale = dataclasses.replace(batch, alpha_logp=alpha_logp)
     stats, _ = train.update(cfg, model, torch.optim.SGD(model.parameters(), lr=0.0), stale, None)
     keep = mis_keep_mask(alpha_logp, logp, 1.5)

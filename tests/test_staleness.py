@@ -1,7 +1,7 @@
 """The staleness corrections, the units variants.recipe builds from a run's flags (variants/corrections.py: the
 Decoupled objective of AReaL, TIS's truncated and MIS's masked sampler weights, kl-is) around objective.policy_loss,
 against plain Python loops, hand-computed cases and identities; the k1 / k2 / k3 KL estimators, the sampler-mismatch
-statistics (bookkeeping.diagnostics.staleness_stats, the units' step figures), and [A]'s current-centred clip as a
+statistics (bookkeeping.diagnostics.drift_stats, the units' step figures), and [A]'s current-centred clip as a
 decoupled objective."""
 
 import math
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import variants
-from bookkeeping.diagnostics import staleness_stats
+from bookkeeping.diagnostics import drift_stats
 from config import Config, ConfigError, resolve, validate
 from objective import LossInput, aggregation_total, kl_penalty
 from variants.corrections import mis_keep_mask
@@ -33,11 +33,11 @@ def corrected_loss(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, *, max_new_
 
 
 def step_figures(alpha_logp, pi_k_logp, mask, **flags):
-    """The whole step's figures of a run with these flags, as train.update gathers them: staleness_stats, the units'
+    """The whole step's figures of a run with these flags, as train.update gathers them: drift_stats, the units'
     `step_keep` figures (is_masked_frac, m2po_masked_frac) and their `step_stats` (is_capped_frac)."""
     recipe = variants.recipe(Config(**flags))
     kept = recipe.step_keep(alpha_logp, pi_k_logp, mask)[1]
-    return staleness_stats(alpha_logp, pi_k_logp, mask) | kept | recipe.step_stats(alpha_logp, pi_k_logp, mask)
+    return drift_stats(alpha_logp, pi_k_logp, mask) | kept | recipe.step_stats(alpha_logp, pi_k_logp, mask)
 
 
 def loop_loss(logp, alpha_logp, pi_k_logp, ref_logp, adv, mask, *, center, agg, beta, kl_estimator, is_cap, is_mask):
@@ -449,9 +449,7 @@ def test_staleness_stats_hand_computed():
     assert set(ps) == {"clip_low", "clip_high", "kl", "rho_mean", "tokens"}
     # Without a cap or a mask there are no fractions; a refreshed sampler (pi_k = alpha) shows no mismatch.
     st = step_figures(alpha_logp, pi_k_logp, mask)
-    assert (
-        "is_masked_frac" not in st and "is_capped_frac" not in st and st == staleness_stats(alpha_logp, pi_k_logp, mask)
-    )
+    assert "is_masked_frac" not in st and "is_capped_frac" not in st and st == drift_stats(alpha_logp, pi_k_logp, mask)
     st = step_figures(alpha_logp, alpha_logp, mask, clip_center="decoupled", is_cap=2.0, is_mask=3.0)
     assert st["mismatch_kl_k1"] == 0.0 and st["mismatch_kl_k3"] == 0.0 and st["rho_prime_p99"] == 1.0
     assert st["m2"] == 0.0 and st["is_masked_frac"] == 0.0 and st["is_capped_frac"] == 0.0

@@ -21,7 +21,7 @@ from trl_testing import G, make_trainer, noisy, rows, save_policy, sequences  # 
 import objective  # noqa: E402
 import variants  # noqa: E402
 from advantage import group_advantages  # noqa: E402
-from bookkeeping.diagnostics import staleness_stats  # noqa: E402
+from bookkeeping.diagnostics import drift_stats  # noqa: E402
 from config import Config  # noqa: E402
 from engine.chunked_logprobs import chunked_token_logprobs  # noqa: E402
 from integrations import trl_grpo  # noqa: E402
@@ -108,7 +108,7 @@ def test_offpolicy_loss_is_the_loops_loss(policy_dir, tmp_path, weighted_kl):
         x = objective.LossInput(logp, old, logp.detach(), ref, adv, mask, total)
         return variants.recipe(cfg).loss(x)[0].item()
 
-    rho_prime_max = staleness_stats(old, logp.detach(), mask)["rho_prime_max"]
+    rho_prime_max = drift_stats(old, logp.detach(), mask)["rho_prime_max"]
     assert rho_prime_max > 1.5  # the two centres give different losses on these tensors
     assert abs(loss.item() - loops_loss(weighted_kl)) < 1e-5
     assert abs(loss.item() - loops_loss(not weighted_kl)) > 1e-3  # the weight changes the KL term

@@ -29,7 +29,7 @@ from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_
 from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
 
 import objective  # noqa: E402
-from bookkeeping.diagnostics import staleness_stats  # noqa: E402
+from bookkeeping.diagnostics import drift_stats  # noqa: E402
 from integrations import verl_grpo  # noqa: E402
 from objective import policy_loss  # noqa: E402
 from variants import corrections, reinforce  # noqa: E402
@@ -157,7 +157,7 @@ def test_offpolicy_grpo_equals_objective_policy_loss(mode, seed):
     # The batch exercises both sides of the clip, so a wrong centre or width changes the result.
     assert stats["clip_low"] > 0 and stats["clip_high"] > 0
     assert metrics["actor/pg_clipfrac"] == pytest.approx(stats["clip_low"] + stats["clip_high"])
-    mismatch = staleness_stats(sampler_alpha_logp(old, weights), old, mask)
+    mismatch = drift_stats(sampler_alpha_logp(old, weights), old, mask)
     assert metrics["actor/rho_prime_mean"] == pytest.approx(mismatch["rho_prime_mean"])
     assert metrics["actor/rho_prime_max"] == pytest.approx(mismatch["rho_prime_max"])
 
