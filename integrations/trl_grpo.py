@@ -32,7 +32,7 @@ weights, the engine's numerics), TRL's weight w_t = exp(old - sampling) = alpha 
 vllm_importance_sampling_clip_max, or masked: TRL's mode) and multiplies the per-token surrogate, as stock TRL does:
 here A_t = w_t * A, so o_t becomes w_t * o_t (w >= 0), the KL term unweighted. rho = pi_theta / alpha and
 rho' = pi_k / alpha stay trainer-side: at r = 1 the weight is w * rho' = pi_k / alpha_e, the engine's mismatch
-(w, TRL's truncation) times the staleness (rho', [A]'s clip centre). Correction off: w = 1, alpha the trainer's.
+(w, TRL's truncation) times rho' ([A]'s clip centre). Correction off: w = 1, alpha the trainer's.
 
 Checkpoints: each rank saves TRL's buffered generation (the unfinished refresh period's slices, pi_k's log-probs
 included) and its micro-step counter in checkpoint-<step>/generation_buffer_rank<r>.pt; a resume restores both, so a
