@@ -54,8 +54,8 @@ def full_forward_entropy(model, ro, temperature):
     ids, attn = ro.input_ids, ro.attention_mask
     t = ro.completion_ids.shape[1]
     logits = model(input_ids=ids, attention_mask=attn, position_ids=position_ids_from_mask(attn)).logits
-    logp = torch.log_softmax(logits[:, -t - 1 : -1].float() / temperature, dim=-1)  # (N, T, V)
-    return -(logp.exp() * logp).sum(-1) * ro.completion_mask  # (N, T)
+    log_probs = torch.log_softmax(logits[:, -t - 1 : -1].float() / temperature, dim=-1)  # (N, T, V)
+    return -(log_probs.exp() * log_probs).sum(-1) * ro.completion_mask  # (N, T)
 
 
 def test_greedy_is_identical_on_both_paths(model, tok):

@@ -38,8 +38,8 @@ def textbook_step(logits, alive, temperature, truncation, generator, pick):
         token = (p / e).argmax(dim=-1)
     p64, logp64 = p.double(), logp_all.double()
     entropy = -torch.where(p64 > 0, p64 * logp64, torch.zeros_like(p64)).sum(-1)
-    logp = logp_all.gather(1, token[:, None]).squeeze(1)
-    return torch.where(alive, token, 0), torch.where(alive, logp, 0.0), torch.where(alive, entropy, 0.0)
+    token_logp = logp_all.gather(1, token[:, None]).squeeze(1)
+    return torch.where(alive, token, 0), torch.where(alive, token_logp, 0.0), torch.where(alive, entropy, 0.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -78,11 +78,11 @@ def test_next_token_is_the_textbook_step(dtype, temperature, truncation, pick, a
 def test_the_race_picks_alpha_outside_the_kept_set_never():
     # A kept set of 3 tokens of 6: 30,000 picks of the race land only in it, at alpha's frequencies (within 5 sigma).
     z = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, -3.0])
-    logp = torch.log_softmax(z.masked_fill(~kept_tokens(z, Truncation(top_k=3)), -math.inf), -1)
+    alpha_logp = torch.log_softmax(z.masked_fill(~kept_tokens(z, Truncation(top_k=3)), -math.inf), -1)
     n = 30_000
-    picks = sample_exponential_race(logp.exp().expand(n, -1).contiguous(), torch.Generator().manual_seed(2))
+    picks = sample_exponential_race(alpha_logp.exp().expand(n, -1).contiguous(), torch.Generator().manual_seed(2))
     freq = torch.bincount(picks, minlength=6).double() / n
-    p = logp.exp().double()
+    p = alpha_logp.exp().double()
     assert (freq[p == 0] == 0).all()
     assert ((freq - p).abs() <= 5 * (p * (1 - p) / n).sqrt() + 1e-9).all(), (freq, p)
 
