@@ -411,6 +411,41 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, set[s
     return build_parser().parse_args(argv), given
 
 
+def config_record(saved, path: Path) -> dict:
+    """The fields of a run's config.json (`saved`, as json.loads read it) that Config knows, each of the type its
+    field has: else a ConfigError naming the file and the field (a resume must not meet `[1, 2]` as an
+    AttributeError, nor `"group_size": "eight"` as a TypeError in validate). `config_from_args` calls it."""
+    if not isinstance(saved, dict):
+        raise ConfigError(f"--resume: {path} is not a run's config (a JSON {type(saved).__name__}, not an object)")
+    kept = {}
+    for f in fields(Config):
+        if f.name not in saved:
+            continue
+        value, kinds = saved[f.name], str(f.type)
+        ok = (value is None and "None" in kinds) or (
+            (isinstance(value, bool) and "bool" in kinds)
+            or (isinstance(value, int) and not isinstance(value, bool) and ("int" in kinds or "float" in kinds))
+            or (isinstance(value, float) and "float" in kinds)
+            or (isinstance(value, str) and kinds.split(" ")[0] in ("<class", "str") and "str" in kinds.split("[")[0])
+            or (isinstance(value, list) and kinds.startswith("list[") and all(_of(v, kinds) for v in value))
+        )
+        if not ok:
+            want = kinds.replace("<class '", "").replace("'>", "")
+            raise ConfigError(
+                f"--resume: {path}: field {f.name!r} is {json.dumps(value)[:60]}, not a {want}; the run's config.json "
+                "is damaged: restore it, or start a new run (another --out, or --overwrite)"
+            )
+        kept[f.name] = float(value) if "float" in kinds and "int" not in kinds and type(value) is int else value
+    return kept
+
+
+def _of(value, kinds: str) -> bool:
+    inner = kinds[len("list[") :].split("]")[0]
+    if inner == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, str) if inner == "str" else True
+
+
 def config_from_args(args: argparse.Namespace, given: set[str] | None = None) -> Config:
     """The run's Config; with --resume, the one saved in --out/config.json, with --out as given (the folder is
     the run, wherever it has been copied or moved) and only the flags of RESUME_MAY_CHANGE allowed to differ."""
@@ -428,8 +463,6 @@ def config_from_args(args: argparse.Namespace, given: set[str] | None = None) ->
         saved = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"--resume: {path} cannot be read ({e})") from None
-    from bookkeeping.manifest import config_record  # here: bookkeeping imports config
-
     saved = config_record(saved, path)  # the known fields, each of its type, or one line naming the field
     known = {f.name for f in fields(Config)}
     cfg = Config(**{k: v for k, v in saved.items() if k in known})

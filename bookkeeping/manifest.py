@@ -74,45 +74,6 @@ def run_config(out: Path) -> dict | None:
     return config if isinstance(config, dict) and {"offpolicy_steps", "group_size"} <= config.keys() else None
 
 
-def config_record(saved, path: Path) -> dict:
-    """The fields of a run's config.json (`saved`, as json.loads read it) that Config knows, each of the type its
-    field has: else a ConfigError naming the file and the field (a resume must not meet `[1, 2]` as an
-    AttributeError, nor `"group_size": "eight"` as a TypeError in validate). config.config_from_args calls it."""
-    from dataclasses import fields
-
-    from config import Config, ConfigError
-
-    if not isinstance(saved, dict):
-        raise ConfigError(f"--resume: {path} is not a run's config (a JSON {type(saved).__name__}, not an object)")
-    kept = {}
-    for f in fields(Config):
-        if f.name not in saved:
-            continue
-        value, kinds = saved[f.name], str(f.type)
-        ok = (value is None and "None" in kinds) or (
-            (isinstance(value, bool) and "bool" in kinds)
-            or (isinstance(value, int) and not isinstance(value, bool) and ("int" in kinds or "float" in kinds))
-            or (isinstance(value, float) and "float" in kinds)
-            or (isinstance(value, str) and kinds.split(" ")[0] in ("<class", "str") and "str" in kinds.split("[")[0])
-            or (isinstance(value, list) and kinds.startswith("list[") and all(_of(v, kinds) for v in value))
-        )
-        if not ok:
-            want = kinds.replace("<class '", "").replace("'>", "")
-            raise ConfigError(
-                f"--resume: {path}: field {f.name!r} is {json.dumps(value)[:60]}, not a {want}; the run's config.json "
-                "is damaged: restore it, or start a new run (another --out, or --overwrite)"
-            )
-        kept[f.name] = float(value) if "float" in kinds and "int" not in kinds and type(value) is int else value
-    return kept
-
-
-def _of(value, kinds: str) -> bool:
-    inner = kinds[len("list[") :].split("]")[0]
-    if inner == "float":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, str) if inner == "str" else True
-
-
 def our_lock(path: Path) -> bool:
     """A .lock file as a run leaves it: empty, or its writer's pid. Another program's .lock is not ours."""
     try:

@@ -237,8 +237,7 @@ def test_a_damaged_record_is_one_line_and_nothing_is_written(run, main, name, te
 
 
 def test_config_record_names_the_file_and_the_field(tmp_path):
-    from bookkeeping.manifest import config_record
-    from config import ConfigError
+    from config import ConfigError, config_record
 
     path = tmp_path / "config.json"
     with pytest.raises(ConfigError, match=r"config.json is not a run's config \(a JSON list"):
@@ -253,10 +252,6 @@ def test_config_record_names_the_file_and_the_field(tmp_path):
     }
 
 
-@pytest.mark.skipif(
-    "config_record" not in (Path(__file__).parents[1] / "config.py").read_text(),
-    reason="config.config_from_args does not call bookkeeping.manifest.config_record yet",
-)
 @pytest.mark.parametrize("text, words", [("[1, 2]", ["config.json", "not an object"]), (None, ["'group_size'"])])
 def test_a_damaged_config_json_is_one_line(run, main, text, words):
     if text is None:
