@@ -587,6 +587,34 @@ def resolve(cfg: Config) -> Config:
     return cfg
 
 
+def refuse_units_that_cannot_act(cfg: Config) -> None:
+    """A correction that cannot act in the run is an error, not a no-op (docs/flags.md). On-policy (v = 1, no
+    --lag or --lag 0) alpha = pi_k at every step: rho' = 1, so TIS, MIS and AReaL's M2PO rule never act. With one
+    inner step as well, pi_theta = alpha where the gradient is taken, so neither do the units that compare
+    pi_theta with alpha (OPSM, M2PO's other forms, DPPO). The studies' shared on-policy baseline passes none."""
+    if cfg.offpolicy_steps != 1 or cfg.lag:
+        return
+    by_rho_prime = {"--is-cap": cfg.is_cap, "--is-mask": cfg.is_mask, "--m2-threshold": cfg.m2_threshold}
+    for flag, value in by_rho_prime.items():
+        if value is not None:
+            raise ConfigError(
+                f"{flag} {value} cannot act on-policy (alpha = pi_k at every step, rho' = 1): "
+                "add --offpolicy-steps v > 1 or --lag s > 0, or drop it"
+            )
+    by_pi_theta = {
+        "--opsm-delta": cfg.opsm_delta,
+        "--m2po-clip-threshold": cfg.m2po_clip_threshold,
+        "--m2po-quadrant-threshold": cfg.m2po_quadrant_threshold,
+        "--dppo-delta": cfg.dppo_delta,
+    }
+    for flag, value in by_pi_theta.items():
+        if value is not None and cfg.inner_steps == 1:
+            raise ConfigError(
+                f"{flag} {value} cannot act on-policy with one inner step (pi_theta = alpha where the gradient is "
+                "taken): add --offpolicy-steps v > 1, --lag s > 0 or --inner-steps > 1, or drop it"
+            )
+
+
 def validate(cfg: Config) -> None:
     """Reject values that cannot work, naming the flag; runs before any model is loaded."""
     refuse_empty(cfg)
@@ -682,6 +710,7 @@ def validate(cfg: Config) -> None:
     own_trust = next((f for f in trust if f != "m2_threshold"), None)  # a unit with its own clip (corrections.py)
     if cfg.is_level != "token" and cfg.is_cap is None and cfg.is_mask is None:
         raise ConfigError(f"--is-level {cfg.is_level} sets what --is-cap / --is-mask act on; neither is set")
+    refuse_units_that_cannot_act(cfg)
     if cfg.ref_refresh and cfg.beta == 0:
         raise ConfigError("--ref-refresh needs --beta > 0 (without KL there is no reference model)")
     # A flag that cannot act in this run is an error, not a silent no-op.

@@ -31,7 +31,7 @@ accuracy), and of the same corrections at a gentler rate (--gentle-lr) where lag
   alone; m2po-clip, m2po-quadrant and dppo set their own trust region (variants/corrections.py).
 At lag 0 with one inner step all of them take the same gradient: alpha = pi_k = pi_theta where the gradient is
 taken, so rho = rho' = r = 1 (no clip acts, no weight differs from 1, MIS keeps every token), M2PO's
-v_t = (log alpha - log pi_k)^2 = 0 (nothing leaves: the mean 0 is < tau) and OPSM's
+v_t = (log alpha - log pi_k)^2 = 0 (nothing leaves: the mean 0 is below the M2 threshold) and OPSM's
 mean of log alpha - log pi_theta is 0 (not > delta) (tests/test_very_stale.py). So ONE set of lag-0 runs per
 learning rate is every correction's baseline: its CSV rows read correction "all (lag 0 baseline)",
 shared_baseline True, and each other run is paired with the baseline run of its seed and rate.
@@ -42,8 +42,8 @@ cut short keeps whole seed sets (every cell but the one or --workers running whe
   1. lag 0, the shared baseline at --lr 1e-4, seeds 0-2;                                               3 runs
   2. lag 256 (the question, at the far end) x the nine corrections;                                 27 runs
   3. with --gentle-lr R: lag 0 and 256 (--gentle-lags) at R, the nine corrections at 256;          30 runs
-  4. lags 2 (the drift at M2PO's tau, issue 57), 8, 32, 4, 16 (the transition), 128 (the plateau
-     that 32 and 256 bracket), 1 (drift below tau) x the nine corrections;                          189 runs
+  4. lags 2 (the drift at M2PO's M2 threshold, issue 57), 8, 32, 4, 16 (the transition), 128 (the plateau
+     that 32 and 256 bracket), 1 (drift below that threshold) x the nine corrections;                 189 runs
   5. [A]'s periodic refresh (--offpolicy-steps v) at v = 256, then 64, for current and m2po;         12 runs
   6. the rerun (--rerun, default behaviour-lag8): that cell's seeds again into <run>-rerun folders;   3 runs
   7. the seeds rule: every cell whose paired difference to lag 0 (over the seeds of --seeds) is within
@@ -66,7 +66,7 @@ carried m2 and mismatch_kl_k1 is reused but has no drift figures ("—"); delete
 --find-lr R1 R2 ...: no study; one run per rate at lag --find-lr-lag 256 for --find-lr-steps (lag + 64) steps,
 --find-lr-correction current, the first seed, and a table (printed, and very_stale_find_lr.md) of the mean M2
 and KL(alpha || pi_k) over the steps whose batch was exactly that lag stale; the gentlest rate to use is the
-largest whose mean M2 is at or below --find-lr-tau 0.04 (M2PO's tau). Pass it as --gentle-lr.
+largest whose mean M2 is at or below --find-lr-threshold 0.04 (M2PO's M2 threshold). Pass it as --gentle-lr.
 
 Verdicts: per cell, d_s = final accuracy - the same rate's lag-0 final at the same seed; its mean and 95%
 t-interval (mean +- t_{0.975, n-1} sd / sqrt(n), n >= 2 seeds). holds: the whole interval lies above -MARGIN
@@ -114,7 +114,7 @@ MASKED = ("mis2", "m2po", "m2po-quadrant", "dppo", "opsm")  # the arms with a ma
 BASELINE = "all (lag 0 baseline)"  # at lag 0 the corrections coincide: one set of runs serves them all
 MARGIN = 0.05  # the verdict's margin on the paired difference to lag 0 (`verdict`)
 CLOSE, MIN_SEEDS = 0.05, 5  # the seeds rule: a cell whose mean paired difference is within CLOSE gets MIN_SEEDS
-TAU = 0.04  # M2PO's threshold on M2: the drift the gentle rate is chosen to keep lag 256 under (--find-lr)
+M2_THRESHOLD = 0.04  # M2PO's threshold on M2: the drift the gentle rate is chosen to keep lag 256 under (--find-lr)
 RUN_COLUMNS = [
     "lag",
     "offpolicy_steps",
@@ -222,7 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--find-lr-lag", type=int, default=256, help="the lag --find-lr measures (default 256)")
     p.add_argument("--find-lr-steps", type=int, help="steps of each --find-lr run (default: the lag + 64)")
     p.add_argument("--find-lr-correction", choices=list(CORRECTIONS), default="current", help="its arm (current)")
-    p.add_argument("--find-lr-tau", type=float, default=TAU, help="the M2 the gentle rate must not exceed (0.04)")
+    p.add_argument(
+        "--find-lr-threshold", type=float, default=M2_THRESHOLD, help="the M2 the gentle rate must not exceed (0.04)"
+    )
     # --- each run ---------------------------------------------------------------------------------
     p.add_argument("--steps", type=int, default=520, help="training steps per run")
     p.add_argument("--eval-every", type=int, default=65, help="held-out accuracy every this many steps")
@@ -422,8 +424,8 @@ def col(r: dict, k: str):
 def find_lr(args) -> tuple[str, list[str]]:
     """--find-lr: one run per rate at lag --find-lr-lag (its first seed, evaluations at the start and end only);
     returns a markdown table of the drift over the steps whose batch was exactly that lag stale, and the failed
-    runs. The rate to use as --gentle-lr: the largest whose mean M2 is at or below --find-lr-tau."""
-    lag, tau = args.find_lr_lag, args.find_lr_tau
+    runs. The rate to use as --gentle-lr: the largest whose mean M2 is at or below --find-lr-threshold."""
+    lag, threshold = args.find_lr_lag, args.find_lr_threshold
     steps = args.find_lr_steps or lag + 64
     short = argparse.Namespace(**{**vars(args), "steps": steps, "eval_every": 0})
     c, seed = args.find_lr_correction, args.seeds[0]
@@ -436,7 +438,7 @@ def find_lr(args) -> tuple[str, list[str]]:
         f"Drift at lag {lag}, {c}, seed {seed}, {steps} steps: means over the steps whose batch was {lag} updates "
         f"stale (steps {lag}-{steps - 1}).",
         "",
-        "| lr | steps at the lag | M2 | M2 max | KL k1 | KL k3 | final accuracy | M2 <= tau |",
+        "| lr | steps at the lag | M2 | M2 max | KL k1 | KL k3 | final accuracy | M2 <= threshold |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     found, failed = {}, []
@@ -452,19 +454,20 @@ def find_lr(args) -> tuple[str, list[str]]:
         m2 = [m["m2"] for m in at]
         found[cfg.lr] = statistics.fmean(m2) if m2 else None
         kl = {k: _mean([m[k] for m in at], ".4f") for k in ("mismatch_kl_k1", "mismatch_kl_k3")}
-        ok = "—" if not m2 else "yes" if found[cfg.lr] <= tau else "no"
+        ok = "—" if not m2 else "yes" if found[cfg.lr] <= threshold else "no"
         lines.append(
             f"| {cfg.lr:g} | {len(at)} | {_mean(m2, '.4f')} | {max(m2) if m2 else 0:.4f} | {kl['mismatch_kl_k1']} "
             f"| {kl['mismatch_kl_k3']} | {end:.3f} | {ok} |"
         )
         print(lines[-1], flush=True)
     lines[4:] = sorted(lines[4:], key=lambda line: -float(line.split("|")[1]))
-    under = [lr for lr, m in found.items() if m is not None and m <= tau]
+    under = [lr for lr, m in found.items() if m is not None and m <= threshold]
     lines += [
         "",
-        f"Gentle rate (the largest at or below tau = {tau:g}): {max(under):g}: pass --gentle-lr {max(under):g}"
+        f"Gentle rate (the largest at or below the M2 threshold {threshold:g}): {max(under):g}: "
+        f"pass --gentle-lr {max(under):g}"
         if under
-        else f"No rate kept M2 at or below tau = {tau:g}: try smaller ones.",
+        else f"No rate kept M2 at or below the M2 threshold {threshold:g}: try smaller ones.",
     ]
     return "\n".join(lines) + "\n", failed
 
@@ -797,7 +800,7 @@ def plot(rows: list[dict], path: Path, curve_lag: int, lr: float | None = None) 
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
     if drift == "m2":
-        ax_m2.axhline(TAU, color="grey", lw=0.8, ls=":")
+        ax_m2.axhline(M2_THRESHOLD, color="grey", lw=0.8, ls=":")
     if base:
         ax_acc.axhspan(
             statistics.fmean(base) - (statistics.stdev(base) if len(base) > 1 else 0),
@@ -830,7 +833,7 @@ def plot(rows: list[dict], path: Path, curve_lag: int, lr: float | None = None) 
             ls = "-" if rate == lr else "--"
             ax_drift.axhline(statistics.fmean(b), color=colours[BASELINE], lw=1, ls=ls, label=f"lag 0, lr {rate:g}")
     ax_drift.set_title(
-        "final accuracy vs measured drift (seed means; dotted: M2PO's tau 0.04)"
+        "final accuracy vs measured drift (seed means; dotted: M2PO's M2 threshold 0.04)"
         if drift == "m2"
         else "final accuracy vs measured drift: KL k3 (these runs predate m2)",
         fontsize=10,
@@ -839,7 +842,7 @@ def plot(rows: list[dict], path: Path, curve_lag: int, lr: float | None = None) 
         ax_drift.set_xscale("log")
         ax_drift.legend(fontsize=7, ncol=2)
     if drift == "m2":
-        ax_drift.axvline(TAU, color="grey", lw=0.8, ls=":")
+        ax_drift.axvline(M2_THRESHOLD, color="grey", lw=0.8, ls=":")
     ax_drift.set_xlabel(
         "M2 = mean (log rho')^2 over the loss tokens, mean over a run"
         if drift == "m2"

@@ -286,9 +286,12 @@ def test_flags_are_checked_and_build_their_units():
         (dict(m2po_quadrant_threshold=0.04), "m2po-quadrant"),
         (dict(dppo_delta=0.2), "dppo"),
     ]:
-        cfg = resolve(Config(**kw))
+        cfg = resolve(Config(offpolicy_steps=2, **kw))  # stale batches: where each can act
         validate(cfg)
         assert variants.recipe(cfg).names == [unit]
+        with pytest.raises(ConfigError, match="cannot act on-policy with one inner step"):
+            validate(resolve(Config(**kw)))  # on-policy, one inner step: pi_theta = alpha, nothing to act on
+        validate(resolve(Config(inner_steps=2, **kw)))  # on-policy, a second inner step: pi_theta moves
     assert variants.recipe(Config(m2po_clip_threshold=0.04, m2po_clip_floor=True)).variants[0].floor
     for kw, match in [
         (dict(m2po_clip_threshold=0.0), "budget > 0"),
@@ -302,7 +305,20 @@ def test_flags_are_checked_and_build_their_units():
         (dict(m2po_quadrant_threshold=0.04, clip_center="alpha"), "sets its own trust region"),
     ]:
         with pytest.raises(ConfigError, match=match):
-            validate(resolve(Config(**kw)))
+            validate(resolve(Config(offpolicy_steps=2, **kw)))
+
+
+def test_a_correction_that_cannot_act_on_policy_is_refused():
+    # alpha = pi_k at every on-policy step (rho' = 1): TIS, MIS and AReaL's M2PO rule can never act there
+    for kw in (dict(clip_center="decoupled", is_cap=2.0), dict(is_mask=2.0), dict(m2_threshold=0.04)):
+        for schedule in (dict(), dict(lag=0), dict(inner_steps=4)):
+            with pytest.raises(ConfigError, match="cannot act on-policy"):
+                validate(resolve(Config(**kw, **schedule)))
+        validate(resolve(Config(offpolicy_steps=2, **kw)))
+        validate(resolve(Config(lag=1, **kw)))
+    with pytest.raises(ConfigError, match="cannot act on-policy with one inner step"):
+        validate(resolve(Config(opsm_delta=0.5)))
+    validate(resolve(Config(opsm_delta=0.5, inner_steps=2)))
 
 
 # ---- the loop runs each --------------------------------------------------------------------------------------

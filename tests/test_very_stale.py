@@ -343,5 +343,5 @@ def test_find_lr_reports_the_drift_at_the_lag(tmp_path, warm_cache):
     # steps 2, 3, 4 trained on batches 2 updates stale (a step whose groups all tie takes no update and logs no M2)
     assert 1 <= int(big[2]) <= 3 and 1 <= int(small[2]) <= 3
     assert float(small[3]) < float(big[3])  # the gentler rate drifts less
-    chosen = "0.001" if float(big[3]) <= 0.04 else "1e-06"  # the largest rate at or below tau
+    chosen = "0.001" if float(big[3]) <= 0.04 else "1e-06"  # the largest rate at or below the M2 threshold
     assert float(small[3]) <= 0.04 and lines[-1].endswith(f"pass --gentle-lr {chosen}")
