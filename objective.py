@@ -4,11 +4,11 @@ The default (config.py's flags as they stand): clip centred on pi_k with eps = 0
 token mean over the loss's tokens, one inner step (mu = 1). At that step's only gradient pi_theta = pi_k, so
 rho = rho' lies inside its interval [rho' - eps, rho' + eps], the clip does not act, and
 
-    grad loss = - (1 / |L|) sum_{(i, t) in L} rho'_it A_i grad log pi_theta(y_it),   rho' = pi_k / alpha,
+    grad loss = - (1 / Z) sum_{(i, t) in L} rho'_it A_i grad log pi_theta(y_it),   rho' = pi_k / alpha,
 
-a rho'-weighted REINFORCE step over the loss's tokens L of the groups with signal; on-policy (v = 1) rho' = 1 and
-it is the group-baseline policy gradient. The clip acts from the second inner step on, or with clip_center="alpha"
-on a stale batch.
+a rho'-weighted REINFORCE step over the loss's tokens L of the groups with signal (Z = |L| at token-mean);
+on-policy (v = 1) rho' = 1 and it is the group-baseline policy gradient. The clip acts from the second inner step
+on, or with clip_center="alpha" on a stale batch.
 
 What a loss reads is one `LossInput`: the log-probs of the sampled completion tokens, each (N, T), named as in
 docs/design.md, "Notation",

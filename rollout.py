@@ -66,9 +66,8 @@ class Sampled:
     rollout: Rollout
     rewards: torch.Tensor  # (N,)
     # (N, T) log alpha: a forward of alpha when it sampled (--alpha-logp-from recompute) or the sampling loop's
-    # record. None
-    # under recompute for a batch sampled at its own step: alpha is pi_k there, whose log-probs the update's first
-    # forward gives (train.update).
+    # record. None under recompute for a batch sampled at its own step: alpha is pi_k there, whose log-probs the
+    # update's first forward gives (train.update).
     alpha_logp: torch.Tensor | None
     sampled_at: int  # the step whose weights (before its update) sampled this batch
 

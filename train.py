@@ -3,7 +3,8 @@
     python train.py --offpolicy-steps 4
 
 `grpo_step` is step k of Algorithm 1, and the step the loop runs. v = --offpolicy-steps, mu = --inner-steps; B
-prompts a step (--prompts-per-step), G completions a prompt (--group-size), N = B x G rows:
+prompts a step (--prompts-per-step), G completions a prompt (--group-size), N = B x G rows. Its six stages
+("step" is always step k; mu "inner steps" are the optimizer steps of stage 6):
 
   1. draw ahead: when the queue holds no batch for step k (k mod v = 0), alpha <- pi_theta as it stands before
      step k's update, and the batches of steps k, ..., k + v - 1 are sampled now (`steps_to_draw`, the schedule;
@@ -115,7 +116,7 @@ def grpo_step(
     recipe: Recipe | None = None,
     ignore_eos: bool = False,
 ) -> tuple[StepResult, Queue]:
-    """Step k of Algorithm 1 (the module docstring's steps 1-6); returns what it did and the queue the next step
+    """Step k of Algorithm 1 (the module docstring's stages 1-6); returns what it did and the queue the next step
     reads.
 
     Args:
@@ -189,7 +190,7 @@ def steps_to_draw(cfg: Config, k: int, queue: Queue) -> range:
 
 
 def sample_ahead(cfg: Config, policy, tokenizer, k: int, ahead: range, draw, gen, timer, *, ignore_eos=False) -> list:
-    """Steps 1-3 at step k for the steps `ahead` at once, from alpha = pi_theta now (before step k's update):
+    """Stages 1-3 at step k for the steps `ahead` at once, from alpha = pi_theta now (before step k's update):
     one `Sampled` a step, in order.
 
     draw(first, n, now=k): one (prompt_ids, prompt_mask, reward_fn) per step, in the order the steps would have
@@ -237,7 +238,7 @@ def sample_ahead(cfg: Config, policy, tokenizer, k: int, ahead: range, draw, gen
 
 
 def update(cfg: Config, policy, opt, batch: Batch, ref_logp, *, recipe: Recipe | None = None):
-    """Step 6: mu = --inner-steps optimizer steps on the batch's loss, each one's gradient accumulated over
+    """Stage 6: mu = --inner-steps optimizer steps on the batch's loss, each one's gradient accumulated over
     micro-batches of --micro-batch rows. Returns the statistics, averaged over tokens and inner steps, and log pi_k
     (N, T): the first inner step's log-probs, taken before any optimizer step moved the policy.
 

@@ -2,13 +2,13 @@
 
 A variant is a named change to [A]'s step, one class with three hooks, one for each stage it may change:
 
-    advantages(rewards, gen, inner, **kw) -> (A, valid)    step 4: the advantages ([B]'s data shaping, the null
+    advantages(rewards, gen, inner, **kw) -> (A, valid)    stage 4: the advantages ([B]'s data shaping, the null
                                                            control); `inner` is the rest of the chain, ending in
                                                            advantage.group_advantages
     step_keep(alpha_logp, pi_k_logp, loss_mask) -> (keep, stats)
                                                            before the update: the tokens the whole step keeps,
                                                            (N, T) bool (MIS, M2PO); they leave the loss and Z
-    loss(x, inner, **settings) -> (loss, stats)            step 6: a micro-batch's loss; `inner` is the rest of the
+    loss(x, inner, **settings) -> (loss, stats)            stage 6: a micro-batch's loss; `inner` is the rest of the
                                                            chain, ending in objective.policy_loss. A variant changes
                                                            the LossInput it passes on (decoupled, TIS, OPSM), or
                                                            brings a loss of its own (REC, OPMD; kl-is adds a term)
@@ -82,7 +82,7 @@ class Recipe:
         return [v.name for v in self.variants]
 
     def advantages(self, rewards: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step 4: (A, valid), each (N,): group_advantages, through each variant's `advantages`."""
+        """Stage 4: (A, valid), each (N,): group_advantages, through each variant's `advantages`."""
 
         def core(r, **kw):
             return group_advantages(r, self.group_size, mask_zero_std=self.mask_zero_std, **kw)
@@ -99,7 +99,7 @@ class Recipe:
         return keep, stats
 
     def loss(self, x: LossInput) -> tuple[torch.Tensor, dict]:
-        """Step 6, one micro-batch: objective.policy_loss, through each variant's `loss`."""
+        """Stage 6, one micro-batch: objective.policy_loss, through each variant's `loss`."""
         return chain(self.variants, "loss", policy_loss)(x, **self.settings)
 
     def step_stats(self, alpha_logp, pi_k_logp, loss_mask) -> dict:
