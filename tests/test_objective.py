@@ -417,8 +417,8 @@ def test_a_tis_weight_needs_the_decoupled_centre(center):
     from config import ConfigError, resolve, validate
 
     with pytest.raises(ConfigError, match="--is-cap needs --loss grpo --clip-center decoupled"):
-        validate(resolve(Config(clip_center=center, is_cap=2.0, out="/tmp/unused")))
-    validate(resolve(Config(clip_center="decoupled", is_cap=2.0, out="/tmp/unused")))
+        validate(resolve(Config(clip_center=center, is_cap=2.0, offpolicy_steps=2, out="/tmp/unused")))
+    validate(resolve(Config(clip_center="decoupled", is_cap=2.0, offpolicy_steps=2, out="/tmp/unused")))
 
 
 def test_the_rho_weighted_kl_estimates_kl_to_the_reference_under_alphas_samples():
