@@ -422,7 +422,10 @@ def test_a_failed_graph_capture_falls_back_to_the_plain_loop_with_one_line(tok, 
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "CUDA graph failed" in err[0] and "OutOfMemoryError" in err[0], err
     plain = generate(model, ids, mask, generator=torch.Generator().manual_seed(3), **kw)
-    assert torch.equal(ro.completion_ids, plain.completion_ids) and torch.equal(ro.sampler_logp, plain.sampler_logp)
+    assert torch.equal(ro.completion_ids, plain.completion_ids)
+    # The fallback reads the cache with grouped heads folded (engine.decoding.folded_gqa); the reference `sample`
+    # under transformers 5.17 repeats K/V instead: the same sums in another order, so equal to float32's rounding.
+    torch.testing.assert_close(ro.sampler_logp, plain.sampler_logp, rtol=0, atol=1e-6)
     assert model in decoding._NO_FAST and model not in decoding._DECODERS
     generate(
         model, ids, mask, loop=static_loop(None), generator=torch.Generator().manual_seed(3), **kw
