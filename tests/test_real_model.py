@@ -27,7 +27,7 @@ from config import Config, ConfigError, resolve
 from conftest import ROOT, needs, shared_data
 from engine import policy
 from engine.chunked_logprobs import chunked_token_logprobs
-from objective import aggregation_total, policy_loss
+from objective import LossInput, aggregation_total, policy_loss
 from problems import prompts, tasks
 from problems.prompts import completion_texts
 from problems.tasks import INSTRUCTION, Problem, encode_prompts
@@ -333,15 +333,8 @@ def test_the_first_im_end_ends_a_completion_is_masked_in_and_gets_a_gradient(smo
     logp = chunked_token_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask, 1.0)  # (N, T) with grad
     leaf = logp.detach().requires_grad_()
     adv = torch.tensor([1.0, -1.0, 0.5])
-    loss, _ = policy_loss(
-        leaf,
-        leaf.detach(),
-        leaf.detach(),
-        None,
-        adv,
-        ro.completion_mask,
-        total=aggregation_total(ro.completion_mask, "token-mean"),
-    )
+    total = aggregation_total(ro.completion_mask, "token-mean")
+    loss, _ = policy_loss(LossInput(leaf, leaf.detach(), leaf.detach(), None, adv, ro.completion_mask, total))
     (g,) = torch.autograd.grad(loss, leaf)
     for i in ended:
         n = lengths[i]
